@@ -1,0 +1,49 @@
+# metalboot — the commands a newcomer runs. Each target installs what it needs first.
+CARGO ?= cargo
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: all deps control-plane sushy test lab lab-down crds deploy lint fmt bench
+
+all: test
+
+## deps: Debian packages (only the missing ones)
+deps:
+	@hack/install-deps.sh
+
+## control-plane: build kube-apiserver, etcd and kubectl from source (cached in target/control-plane)
+control-plane:
+	@hack/control-plane/build.sh
+
+## sushy: the Redfish emulator sushy-tools in a project venv (target/tools/sushy)
+sushy: deps
+	@hack/sushy-tools.sh
+
+## test: the whole suite against a real control plane and a real Redfish emulator
+test: deps control-plane sushy
+	@CARGO=$(CARGO) hack/test.sh
+
+## lab: start the local lab and leave it running (`make lab-down` stops it)
+lab: deps control-plane
+	$(CARGO) run --quiet -- lab up
+
+lab-down:
+	$(CARGO) run --quiet -- lab down
+
+## bench: boot-storm benchmark against nginx (not part of make test)
+bench:
+	hack/bench-boot.sh
+
+## crds: regenerate crds/ from the Rust types
+crds:
+	$(CARGO) run --quiet -- crds --out-dir crds
+
+## deploy: regenerate deploy/infrastructure-components.yaml from deploy/base (after crds)
+deploy: crds control-plane
+	hack/render-components.sh > deploy/infrastructure-components.yaml
+
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt

@@ -1,0 +1,268 @@
+//! `MetalHost`: one racked server the operator declared — how to reach its BMC, which NIC boots —
+//! and what metalboot observed of it. MetalMachines claim Available hosts.
+
+use std::collections::BTreeMap;
+
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use super::common::{Condition, conditions_schema};
+
+/// Desired state of a bare-metal host.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "MetalHost",
+    namespaced,
+    status = "MetalHostStatus",
+    shortname = "mh",
+    shortname = "mhost",
+    category = "cluster-api",
+    category = "metalboot",
+    doc = "MetalHost is a physical server reachable through its BMC, available to be claimed by a MetalMachine.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(
+        name = "State",
+        type_ = "string",
+        json_path = ".status.state",
+        description = "Lifecycle state of the host"
+    ),
+    printcolumn(
+        name = "Power",
+        type_ = "string",
+        json_path = ".status.powerState",
+        description = "Power state last read from the BMC"
+    ),
+    printcolumn(
+        name = "Consumer",
+        type_ = "string",
+        json_path = ".status.consumerRef.name",
+        description = "MetalMachine using the host"
+    ),
+    printcolumn(
+        name = "BMC",
+        type_ = "string",
+        json_path = ".spec.bmc.address",
+        description = "BMC address"
+    ),
+    printcolumn(
+        name = "Online",
+        type_ = "boolean",
+        json_path = ".spec.online",
+        priority = 1,
+        description = "Whether the host may be powered on"
+    ),
+    printcolumn(
+        name = "Error",
+        type_ = "string",
+        json_path = ".status.errorMessage",
+        priority = 1,
+        description = "Last error"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalHostSpec {
+    /// How to reach and authenticate to the host's baseboard management controller.
+    pub bmc: BmcDetails,
+    /// MAC address of the NIC the host network-boots from; the boot service matches iPXE
+    /// requests to the host by it. Colon-separated hex, e.g. `52:54:00:12:34:56`.
+    #[schemars(regex(pattern = r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$"))]
+    #[serde(rename = "bootMACAddress")]
+    pub boot_mac_address: String,
+    /// Firmware boot mode used for one-time boot overrides. Leave unset to keep the BMC's current mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_mode: Option<BootMode>,
+    /// Whether the host may be powered on. `false` holds it powered off (maintenance); a claimed
+    /// host is not booted until this is `true` again.
+    #[serde(default = "default_true")]
+    pub online: bool,
+    /// Free-text note for operators (rack, slot, ticket).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub description: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// BMC connection details.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BmcDetails {
+    /// BMC address: `redfish://host[:port][/redfish/v1/Systems/<id>]` (HTTPS),
+    /// `redfish+https://…`, `redfish+http://…` (plain HTTP, labs only). `ipmi://host[:port]` is
+    /// reserved for the IPMI driver. Without a system path the BMC's only system is used.
+    #[schemars(regex(
+        pattern = r"^(redfish|redfish\+http|redfish\+https|ipmi)://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]+)?(/[^\s]*)?$"
+    ))]
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = Rule::new("!isURL(self) || url(self).getPort() == '' || (int(url(self).getPort()) >= 1 && int(url(self).getPort()) <= 65535)").message("spec.bmc.address: port must be between 1 and 65535"))]
+    pub address: String,
+    /// Name of a Secret in the host's namespace with keys `username` and `password`.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub credentials_name: String,
+    /// Skip TLS certificate verification of the BMC. Off by default; only for BMCs with
+    /// self-signed certificates you cannot replace, on a network you trust.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disable_certificate_verification: Option<bool>,
+    /// Name of a Secret (key `ca.crt`) holding the CA bundle that signed the BMC's certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub ca_secret_name: Option<String>,
+}
+
+/// Firmware boot mode.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum BootMode {
+    UEFI,
+    Legacy,
+}
+
+/// Lifecycle state of a host.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
+pub enum HostState {
+    /// Checking the BMC and credentials.
+    #[default]
+    Registering,
+    /// Registered and free to be claimed.
+    Available,
+    /// Claimed; being booted for its consumer.
+    Provisioning,
+    /// Booted and bootstrapped for its consumer.
+    Provisioned,
+    /// Being powered off and released.
+    Deprovisioning,
+    /// Needs an operator: see `errorType`, `errorMessage` and the conditions.
+    Error,
+}
+
+/// Power state as last read from the BMC.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum PowerState {
+    On,
+    Off,
+    PoweringOn,
+    PoweringOff,
+    #[default]
+    Unknown,
+}
+
+/// What kind of fault put a host into Error.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum HostErrorType {
+    /// The BMC could not be reached or the credentials were refused.
+    RegistrationError,
+    /// A power action failed.
+    PowerManagementError,
+    /// The host could not be released cleanly (e.g. BMC unreachable during deprovisioning).
+    DeprovisioningError,
+}
+
+/// Observed state of a bare-metal host.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalHostStatus {
+    /// Lifecycle state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<HostState>,
+    /// Power state last read from the BMC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_state: Option<PowerState>,
+    /// When the power state was last read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_power_check: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// Hardware inventory read from the BMC once at registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<HardwareInventory>,
+    /// The MetalMachine that claimed this host; set atomically (resourceVersion) so one host has
+    /// at most one consumer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_ref: Option<ConsumerReference>,
+    /// Kind of the fault when state is Error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_type: Option<HostErrorType>,
+    /// Human-readable description of the fault when state is Error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 10240))]
+    pub error_message: Option<String>,
+    /// Generation of the spec last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Who is using a host.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.kind == 'MetalMachine' && self.apiVersion.startsWith('infrastructure.cluster.x-k8s.io/')").message("status.consumerRef must reference an infrastructure.cluster.x-k8s.io MetalMachine"))]
+pub struct ConsumerReference {
+    /// API version of the consumer, e.g. `infrastructure.cluster.x-k8s.io/v1alpha1`.
+    #[schemars(length(min = 1, max = 317))]
+    pub api_version: String,
+    /// Kind of the consumer (`MetalMachine`).
+    #[schemars(length(min = 1, max = 63))]
+    pub kind: String,
+    /// Name of the consumer, in the host's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// UID of the consumer, so a recreated MetalMachine of the same name is not mistaken for it.
+    #[schemars(length(min = 1, max = 64))]
+    pub uid: String,
+}
+
+/// Hardware facts reported by the BMC.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HardwareInventory {
+    /// System manufacturer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manufacturer: Option<String>,
+    /// System model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Chassis or system serial number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_number: Option<String>,
+    /// SMBIOS system UUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "systemUUID")]
+    pub system_uuid: Option<String>,
+    /// BIOS/UEFI firmware version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bios_version: Option<String>,
+    /// Network interfaces the BMC knows about.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<NicInfo>,
+    /// Other facts, free-form.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub extra: BTreeMap<String, String>,
+}
+
+/// One network interface.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NicInfo {
+    /// Interface identifier at the BMC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// MAC address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}

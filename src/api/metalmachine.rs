@@ -1,0 +1,249 @@
+//! `MetalMachine`: the infrastructure machine of the Cluster API contract. It claims a
+//! `MetalHost`, network-boots it with the Machine's bootstrap data and reports it provisioned.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use super::common::{Condition, MachineAddress, TemplateObjectMeta, conditions_schema};
+
+/// Default seconds to wait for the bootstrap-success callback before power-cycling.
+pub const DEFAULT_BOOT_TIMEOUT_SECONDS: i32 = 1200;
+/// Default number of power-cycle retries after a boot timeout.
+pub const DEFAULT_BOOT_RETRIES: i32 = 2;
+
+/// Desired state of a MetalMachine.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "MetalMachine",
+    namespaced,
+    status = "MetalMachineStatus",
+    shortname = "mm",
+    shortname = "mmachine",
+    category = "cluster-api",
+    category = "metalboot",
+    doc = "MetalMachine is the Cluster API infrastructure machine backed by a MetalHost.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".metadata.labels.cluster\\.x-k8s\\.io/cluster-name",
+        description = "Cluster the machine belongs to"
+    ),
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Provisioning phase"
+    ),
+    printcolumn(
+        name = "Host",
+        type_ = "string",
+        json_path = ".status.hostRef.name",
+        description = "Claimed MetalHost"
+    ),
+    printcolumn(
+        name = "ProviderID",
+        type_ = "string",
+        json_path = ".spec.providerID",
+        description = "Provider ID"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "boolean",
+        json_path = ".status.ready",
+        description = "Infrastructure ready"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)").message("spec.providerID is immutable once set"))]
+pub struct MetalMachineSpec {
+    /// Provider ID of the host, `metalboot://<namespace>/<host>`, set by the controller when the
+    /// host is provisioned; immutable once set. Matches `Node.spec.providerID`.
+    #[serde(
+        default,
+        rename = "providerID",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(length(min = 1, max = 512))]
+    pub provider_id: Option<String>,
+    /// Failure domain the machine runs in (v1beta1 contract; v1beta2 reads `status.failureDomain`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub failure_domain: Option<String>,
+    /// Which hosts this machine may claim. Empty selects every Available host in the namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_selector: Option<LabelSelector>,
+    /// What the host network-boots into.
+    pub boot: BootProfile,
+    /// Seconds to wait, after powering the host on, for its bootstrap-success callback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10, max = 86400))]
+    pub boot_timeout_seconds: Option<i32>,
+    /// Power cycles to try after a boot timeout before failing the machine terminally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 10))]
+    pub boot_retries: Option<i32>,
+}
+
+impl MetalMachineSpec {
+    pub fn boot_timeout_seconds(&self) -> i32 {
+        self.boot_timeout_seconds
+            .unwrap_or(DEFAULT_BOOT_TIMEOUT_SECONDS)
+    }
+    pub fn boot_retries(&self) -> i32 {
+        self.boot_retries.unwrap_or(DEFAULT_BOOT_RETRIES)
+    }
+}
+
+/// Kernel, initrds and command line that the host's iPXE loads. Each location is an absolute
+/// `http(s)://` URL, or a path relative to the boot service's artifacts directory (served at
+/// `/artifacts/<path>`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BootProfile {
+    /// Kernel image location.
+    #[schemars(length(min = 1, max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('http://') || self.startsWith('https://') || (!self.startsWith('/') && !self.contains('..'))").message("spec.boot.kernel must be an http(s) URL or a relative artifact path without '..'"))]
+    pub kernel: String,
+    /// Initrd locations, loaded in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    #[x_kube(validation = Rule::new("self.all(i, size(i) > 0 && size(i) <= 2048 && (i.startsWith('http://') || i.startsWith('https://') || (!i.startsWith('/') && !i.contains('..'))))").message("spec.boot.initrds must be http(s) URLs or relative artifact paths without '..'"))]
+    pub initrds: Vec<String>,
+    /// Kernel command line. The boot service appends the NoCloud datasource
+    /// (`ds=nocloud;s=http://…/nocloud/<token>/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub cmdline: Option<String>,
+}
+
+/// Coarse provisioning phase, for `kubectl get`.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum MetalMachinePhase {
+    /// Waiting for its Machine, Cluster or bootstrap data.
+    #[default]
+    Pending,
+    /// Looking for an Available host that matches.
+    Claiming,
+    /// Host claimed and booting; waiting for the bootstrap-success callback.
+    Provisioning,
+    /// Host bootstrapped; providerID set.
+    Provisioned,
+    /// Being deleted: host powering off and being released.
+    Deprovisioning,
+    /// Terminal failure; see failureReason/failureMessage.
+    Failed,
+}
+
+/// Observed state of a MetalMachine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalMachineStatus {
+    /// v1beta1 contract: the host is provisioned and bootstrapped.
+    #[serde(default)]
+    pub ready: bool,
+    /// v1beta2 contract: initialization progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<MachineInitialization>,
+    /// Coarse phase, for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<MetalMachinePhase>,
+    /// The claimed MetalHost (same namespace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_ref: Option<HostReference>,
+    /// Addresses the host reported in its callback, plus those the BMC knows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<MachineAddress>,
+    /// Failure domain of the claimed host (v1beta2 contract).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_domain: Option<String>,
+    /// Terminal failure, machine-readable (v1beta1 contract). Once set the machine is not retried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// Terminal failure, for people (v1beta1 contract).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_message: Option<String>,
+    /// Generation of the spec last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
+    pub conditions: Vec<Condition>,
+}
+
+/// v1beta2 initialization flags of an infrastructure machine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineInitialization {
+    /// The host is provisioned; never goes back to false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioned: Option<bool>,
+}
+
+/// Reference to a MetalHost in the same namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostReference {
+    /// Name of the MetalHost.
+    pub name: String,
+    /// UID of the MetalHost when it was claimed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+}
+
+/// Template for MetalMachines (used by MachineDeployments and control planes).
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "MetalMachineTemplate",
+    namespaced,
+    status = "TemplateStatus",
+    shortname = "mmt",
+    category = "cluster-api",
+    category = "metalboot",
+    doc = "MetalMachineTemplate is a template from which MetalMachines are created.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalMachineTemplateSpec {
+    /// The MetalMachine to stamp out.
+    pub template: MetalMachineTemplateResource,
+}
+
+/// The object a MetalMachineTemplate describes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalMachineTemplateResource {
+    /// Labels and annotations for the created MetalMachines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<TemplateObjectMeta>,
+    /// Spec of the created MetalMachines.
+    pub spec: MetalMachineSpec,
+}
+
+/// Status of a template: nothing is reconciled on templates; present so every CRD has one.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateStatus {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
+    pub conditions: Vec<Condition>,
+}

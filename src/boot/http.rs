@@ -1,0 +1,739 @@
+//! The boot service's HTTP side: the iPXE chain, cloud-init NoCloud documents and the
+//! bootstrap-success callback. Every answer comes from reflector stores shared with the
+//! controllers; only a callback writes (it records itself on the boot Secret).
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, State};
+use axum::http::{HeaderValue, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+use crate::api::{MetalHost, MetalMachine};
+
+use super::ipxe::{self, HostScript, Templates};
+use super::nocloud;
+use super::tokens::{self, BootRecord, CallbackRecord};
+
+/// The stores the boot service reads (shared with the controllers).
+#[derive(Clone)]
+pub struct BootStores {
+    pub hosts: Store<MetalHost>,
+    pub machines: Store<MetalMachine>,
+    /// Secrets labelled `metalboot.io/boot-token`.
+    pub boot_secrets: Store<Secret>,
+}
+
+#[derive(Clone, Debug)]
+pub struct BootConfig {
+    /// How hosts reach this service, e.g. `http://10.0.0.2:8080` (no trailing slash).
+    pub base_url: String,
+    /// Only the first address that fetched a host's script may use its token.
+    pub pin_source_ip: bool,
+    /// How long vendor-data waits for the bootstrap sentinel before giving up.
+    pub sentinel_wait_seconds: u32,
+}
+
+/// Milestones of a host's boot, broadcast for whoever watches (the lab's timings table, metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootEvent {
+    /// A provisioning iPXE script was served to the host with this boot MAC.
+    ScriptServed { mac: String, host: String },
+    /// A NoCloud document was served for this attempt.
+    NoCloud {
+        namespace: String,
+        metal_machine: String,
+        host: String,
+        document: String,
+    },
+    /// The host called back.
+    Callback {
+        namespace: String,
+        metal_machine: String,
+        host: String,
+    },
+}
+
+/// A host reported success: the MetalMachine controller should look at `namespace/metal_machine`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallbackNotice {
+    pub namespace: String,
+    pub metal_machine: String,
+}
+
+pub struct BootState {
+    pub stores: BootStores,
+    pub config: BootConfig,
+    templates: Templates,
+    client: kube::Client,
+    recorder: Recorder,
+    callbacks: mpsc::UnboundedSender<CallbackNotice>,
+    /// Source address pinned per attempt (boot Secret namespace/name/attempt).
+    pins: Mutex<HashMap<String, IpAddr>>,
+    /// Recently served tokens (hash → namespace, machine), to attribute replays to a machine.
+    seen: Mutex<SeenTokens>,
+    /// Stores have synced: before that every host would look unknown.
+    ready: std::sync::atomic::AtomicBool,
+    events: tokio::sync::broadcast::Sender<BootEvent>,
+}
+
+#[derive(Default)]
+struct SeenTokens {
+    order: VecDeque<u64>,
+    owners: HashMap<u64, (String, String)>,
+}
+
+const SEEN_CAPACITY: usize = 4096;
+
+impl SeenTokens {
+    fn remember(&mut self, hash: u64, owner: (String, String)) {
+        if self.owners.insert(hash, owner).is_none() {
+            self.order.push_back(hash);
+            if self.order.len() > SEEN_CAPACITY
+                && let Some(old) = self.order.pop_front()
+            {
+                self.owners.remove(&old);
+            }
+        }
+    }
+}
+
+fn token_hash(token: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    token.hash(&mut h);
+    h.finish()
+}
+
+impl BootState {
+    pub fn new(
+        stores: BootStores,
+        config: BootConfig,
+        client: kube::Client,
+        callbacks: mpsc::UnboundedSender<CallbackNotice>,
+    ) -> Result<Self, minijinja::Error> {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "metalboot-boot-service".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Ok(Self {
+            stores,
+            config,
+            templates: Templates::new()?,
+            client,
+            recorder,
+            callbacks,
+            pins: Mutex::new(HashMap::new()),
+            seen: Mutex::new(SeenTokens::default()),
+            ready: std::sync::atomic::AtomicBool::new(false),
+            events: tokio::sync::broadcast::channel(256).0,
+        })
+    }
+
+    /// Boot milestones as they happen (lagging receivers lose the oldest).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<BootEvent> {
+        self.events.subscribe()
+    }
+
+    fn publish(&self, event: BootEvent) {
+        let _ = self.events.send(event);
+    }
+
+    /// Waits until every store has its first full list, then lets requests through.
+    pub async fn wait_for_stores(&self) {
+        crate::stores::until_ready(&self.stores.hosts).await;
+        crate::stores::until_ready(&self.stores.machines).await;
+        crate::stores::until_ready(&self.stores.boot_secrets).await;
+        tracing::info!("boot service: stores synced, answering hosts");
+        self.ready.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn host_by_mac(&self, mac: &str) -> Option<Arc<MetalHost>> {
+        self.stores
+            .hosts
+            .state()
+            .into_iter()
+            .find(|h| ipxe::normalize_mac(&h.spec.boot_mac_address).as_deref() == Some(mac))
+    }
+
+    fn machine(&self, namespace: &str, name: &str) -> Option<Arc<MetalMachine>> {
+        self.stores
+            .machines
+            .get(&ObjectRef::new(name).within(namespace))
+    }
+
+    fn current_record(&self, namespace: &str, machine: &str) -> Option<BootRecord> {
+        let secret = self
+            .stores
+            .boot_secrets
+            .get(&ObjectRef::new(&tokens::boot_secret_name(machine)).within(namespace))?;
+        match tokens::parse_boot_secret(&secret) {
+            Ok(record) => Some(record),
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring unreadable boot Secret");
+                None
+            }
+        }
+    }
+
+    /// Finds the attempt a presented token belongs to.
+    fn lookup(&self, token: &str) -> TokenLookup {
+        for secret in self.stores.boot_secrets.state() {
+            let Ok(record) = tokens::parse_boot_secret(&secret) else {
+                continue;
+            };
+            if !record.token.matches(token) {
+                continue;
+            }
+            let machine = self.machine(&record.namespace, &record.metal_machine);
+            let live = machine
+                .as_ref()
+                .is_some_and(|m| m.meta().deletion_timestamp.is_none() && m.uid().is_some());
+            return match (record.callback.is_some(), machine) {
+                (false, Some(machine)) if live => TokenLookup::Current(record, machine),
+                (_, machine) => TokenLookup::Spent(record, machine),
+            };
+        }
+        let owner = self
+            .seen
+            .lock()
+            .ok()
+            .and_then(|s| s.owners.get(&token_hash(token)).cloned());
+        match owner {
+            Some((namespace, name)) => TokenLookup::Replayed(self.machine(&namespace, &name)),
+            None => TokenLookup::Unknown,
+        }
+    }
+
+    fn remember(&self, record: &BootRecord) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.remember(
+                token_hash(record.token.expose()),
+                (record.namespace.clone(), record.metal_machine.clone()),
+            );
+        }
+    }
+
+    fn pin_key(record: &BootRecord) -> String {
+        format!(
+            "{}/{}/{}",
+            record.namespace, record.secret_name, record.attempt
+        )
+    }
+
+    /// Records the first address for an attempt; later requests must come from it.
+    fn check_pin(&self, record: &BootRecord, client: Option<IpAddr>) -> Result<(), IpAddr> {
+        if !self.config.pin_source_ip {
+            return Ok(());
+        }
+        let (Some(ip), Ok(mut pins)) = (client, self.pins.lock()) else {
+            return Ok(());
+        };
+        match pins.get(&Self::pin_key(record)) {
+            Some(pinned) if *pinned != ip => Err(*pinned),
+            Some(_) => Ok(()),
+            None => {
+                pins.insert(Self::pin_key(record), ip);
+                Ok(())
+            }
+        }
+    }
+
+    async fn event(&self, machine: &MetalMachine, type_: EventType, reason: &str, note: String) {
+        let event = KubeEvent {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Boot".into(),
+            secondary: None,
+        };
+        if let Err(e) = self
+            .recorder
+            .publish(&event, &machine.object_ref(&()))
+            .await
+        {
+            tracing::warn!(error = %e, reason, "could not publish Event");
+        }
+    }
+}
+
+enum TokenLookup {
+    Current(BootRecord, Arc<MetalMachine>),
+    /// The attempt exists but already called back, or its machine is gone or going.
+    Spent(BootRecord, Option<Arc<MetalMachine>>),
+    /// Not a current token, but one this service served before.
+    Replayed(Option<Arc<MetalMachine>>),
+    Unknown,
+}
+
+/// The client's address when the request came over a socket (absent in socket-less tests).
+pub struct ClientIp(pub Option<IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ClientIp {
+    type Rejection = std::convert::Infallible;
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(ClientIp(
+            parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0.ip()),
+        ))
+    }
+}
+
+/// The boot service's routes. `main` serves it with connect info; tests call it directly.
+pub fn router(state: Arc<BootState>) -> Router {
+    Router::new()
+        .route("/boot.ipxe", get(entry_script))
+        .route("/ipxe/{mac}", get(host_script))
+        .route("/nocloud/{token}/{document}", get(nocloud_document))
+        .route("/callback/{token}", post(callback))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            until_ready,
+        ))
+        .with_state(state)
+}
+
+async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
+    use crate::api::metalhost::HostState;
+    let hosts = state.stores.hosts.state();
+    let states = [
+        HostState::Registering,
+        HostState::Available,
+        HostState::Provisioning,
+        HostState::Provisioned,
+        HostState::Deprovisioning,
+        HostState::Error,
+    ];
+    let counts: Vec<(String, i64)> = states
+        .iter()
+        .map(|st| {
+            let n = hosts
+                .iter()
+                .filter(|h| h.status.as_ref().and_then(|s| s.state).unwrap_or_default() == *st)
+                .count();
+            (format!("{st:?}"), n as i64)
+        })
+        .collect();
+    let refs: Vec<(&str, i64)> = counts.iter().map(|(s, n)| (s.as_str(), *n)).collect();
+    crate::metrics::set_hosts(&refs);
+    let mut response = text(StatusCode::OK, crate::metrics::render());
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    response
+}
+
+async fn readyz(State(state): State<Arc<BootState>>) -> Response {
+    if state.is_ready() {
+        text(StatusCode::OK, "ok\n".into())
+    } else {
+        text(StatusCode::SERVICE_UNAVAILABLE, "stores syncing\n".into())
+    }
+}
+
+/// Until the stores have synced every host would look unknown, so hosts get 503 and retry
+/// (the entry script's loop) instead of a wrong answer.
+async fn until_ready(
+    State(state): State<Arc<BootState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = request.uri().path();
+    if state.is_ready() || path == "/healthz" || path == "/readyz" || path == "/metrics" {
+        next.run(request).await
+    } else {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "boot service starting, retry\n".into(),
+        )
+    }
+}
+
+/// Logs every request on `metalboot::boot::access` (method, path with tokens shortened, status,
+/// client) — the trail an operator follows when a host does not boot. Layer it outermost.
+pub async fn access_log(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let method = request.method().clone();
+    let path = redact_path(request.uri().path());
+    let client = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    let started = std::time::Instant::now();
+    let raw_path = request.uri().path().to_string();
+    let response = next.run(request).await;
+    let bytes = response
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    crate::metrics::record_http(&raw_path, response.status().as_u16(), bytes);
+    tracing::info!(
+        target: "metalboot::boot::access",
+        %method,
+        %path,
+        status = response.status().as_u16(),
+        client = ?client,
+        ms = started.elapsed().as_millis() as u64,
+        "request"
+    );
+    response
+}
+
+/// A request path safe to log: tokens (after `/nocloud/` and `/callback/`) cut to 6 characters.
+pub fn redact_path(path: &str) -> String {
+    let mut out = Vec::new();
+    let mut token_next = false;
+    for segment in path.split('/') {
+        if token_next && !segment.is_empty() {
+            out.push(format!("{}…", segment.chars().take(6).collect::<String>()));
+        } else {
+            out.push(segment.chars().take(200).collect());
+        }
+        token_next = segment == "nocloud" || segment == "callback";
+    }
+    out.join("/")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_path;
+
+    #[test]
+    fn tokens_never_reach_the_access_log() {
+        let token = "a".repeat(64);
+        assert_eq!(
+            redact_path(&format!("/nocloud/{token}/user-data")),
+            "/nocloud/aaaaaa…/user-data"
+        );
+        assert_eq!(
+            redact_path(&format!("/callback/{token}")),
+            "/callback/aaaaaa…"
+        );
+        assert_eq!(
+            redact_path("/ipxe/52-54-00-12-34-56"),
+            "/ipxe/52-54-00-12-34-56"
+        );
+        assert_eq!(redact_path("/boot.ipxe"), "/boot.ipxe");
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+fn internal_error(what: &str, e: impl std::fmt::Display) -> Response {
+    tracing::error!(error = %e, "{what}");
+    text(StatusCode::INTERNAL_SERVER_ERROR, format!("{what}\n"))
+}
+
+async fn entry_script(State(state): State<Arc<BootState>>, ClientIp(ip): ClientIp) -> Response {
+    tracing::info!(route = "/boot.ipxe", client = ?ip, "entry script");
+    match state.templates.entry_script(&state.config.base_url) {
+        Ok(script) => text(StatusCode::OK, script),
+        Err(e) => internal_error("rendering the entry script failed", e),
+    }
+}
+
+#[derive(Deserialize)]
+struct ScriptQuery {
+    attempt: Option<u32>,
+}
+
+async fn host_script(
+    State(state): State<Arc<BootState>>,
+    Path(raw_mac): Path<String>,
+    Query(query): Query<ScriptQuery>,
+    ClientIp(ip): ClientIp,
+) -> Response {
+    let Some(mac) = ipxe::normalize_mac(&raw_mac) else {
+        tracing::warn!(route = "/ipxe", client = ?ip, "not a MAC address: {:?}", raw_mac.chars().take(40).collect::<String>());
+        return text(
+            StatusCode::BAD_REQUEST,
+            "#!ipxe\necho metalboot: not a MAC address\nexit\n".into(),
+        );
+    };
+    let host = state.host_by_mac(&mac);
+    let consumer = host
+        .as_ref()
+        .and_then(|h| h.status.as_ref())
+        .and_then(|s| s.consumer_ref.as_ref())
+        .map(|c| c.name.clone());
+    let namespace = host
+        .as_ref()
+        .and_then(|h| h.namespace())
+        .unwrap_or_default();
+    let machine = consumer
+        .as_ref()
+        .and_then(|name| state.machine(&namespace, name));
+    let record = consumer
+        .as_ref()
+        .and_then(|name| state.current_record(&namespace, name));
+    let script = ipxe::choose_script(
+        &mac,
+        query.attempt.unwrap_or(1),
+        host.as_deref(),
+        machine.as_deref(),
+        record.as_ref(),
+        &state.config.base_url,
+    );
+    let host_name = host.as_ref().map(|h| h.name_any());
+    match &script {
+        HostScript::Provision(plan) => {
+            if let Some(record) = &record {
+                state.remember(record);
+                if let Err(pinned) = state.check_pin(record, ip) {
+                    tracing::warn!(host = ?host_name, client = ?ip, %pinned, "iPXE script requested from an address other than the pinned one");
+                }
+            }
+            tracing::info!(route = "/ipxe", %mac, host = %plan.host, machine = %plan.machine, attempt = plan.attempt, client = ?ip, "provisioning script");
+            state.publish(BootEvent::ScriptServed {
+                mac: mac.clone(),
+                host: plan.host.clone(),
+            });
+        }
+        HostScript::Refused { reason, .. } => {
+            tracing::warn!(route = "/ipxe", %mac, host = ?host_name, client = ?ip, %reason, "refused to render a provisioning script");
+            if let Some(m) = &machine {
+                state
+                    .event(m, EventType::Warning, "BootProfileInvalid", reason.clone())
+                    .await;
+            }
+        }
+        HostScript::Idle { state: why, .. } => {
+            tracing::info!(route = "/ipxe", %mac, host = ?host_name, client = ?ip, reason = %why, "exit script");
+        }
+        HostScript::Unknown { attempt, .. } => {
+            tracing::info!(route = "/ipxe", %mac, client = ?ip, attempt, "unknown MAC");
+        }
+    }
+    match state.templates.host_script(&script, &state.config.base_url) {
+        Ok(body) => text(StatusCode::OK, body),
+        Err(e) => internal_error("rendering a host script failed", e),
+    }
+}
+
+/// Checks a presented token; on refusal returns the response and emits what the operator needs.
+async fn authorize(
+    state: &BootState,
+    token: &str,
+    ip: Option<IpAddr>,
+    route: &str,
+) -> Result<(BootRecord, Arc<MetalMachine>), Response> {
+    let not_found = || text(StatusCode::NOT_FOUND, "unknown or expired token\n".into());
+    // A token is 64 hex characters; anything else is noise and is not even looked up.
+    if token.len() != 64 || !token.chars().all(|c| c.is_ascii_hexdigit()) {
+        tracing::warn!(route, client = ?ip, "malformed token");
+        return Err(not_found());
+    }
+    match state.lookup(token) {
+        TokenLookup::Current(record, machine) => {
+            state.remember(&record);
+            if let Err(pinned) = state.check_pin(&record, ip) {
+                tracing::warn!(route, machine = %record.metal_machine, client = ?ip, %pinned, "token used from an address other than the pinned one");
+                state
+                    .event(&machine, EventType::Warning, "BootTokenSourceMismatch",
+                        format!("{route} for attempt {} came from {}, but the attempt is pinned to {pinned}", record.attempt, ip.map(|i| i.to_string()).unwrap_or_default()))
+                    .await;
+                return Err(text(
+                    StatusCode::FORBIDDEN,
+                    "token is pinned to another address\n".into(),
+                ));
+            }
+            Ok((record, machine))
+        }
+        TokenLookup::Spent(record, machine) => {
+            tracing::warn!(route, machine = %record.metal_machine, attempt = record.attempt, client = ?ip, "request with a spent token");
+            if let Some(m) = machine {
+                state
+                    .event(
+                        &m,
+                        EventType::Warning,
+                        "BootTokenReplayed",
+                        format!(
+                            "{route} used the token of attempt {} after it was spent (from {})",
+                            record.attempt,
+                            ip.map(|i| i.to_string())
+                                .unwrap_or_else(|| "unknown".into())
+                        ),
+                    )
+                    .await;
+            }
+            Err(not_found())
+        }
+        TokenLookup::Replayed(machine) => {
+            tracing::warn!(route, client = ?ip, "request with an expired token");
+            if let Some(m) = machine {
+                state
+                    .event(
+                        &m,
+                        EventType::Warning,
+                        "BootTokenReplayed",
+                        format!(
+                            "{route} used an expired boot token (from {})",
+                            ip.map(|i| i.to_string())
+                                .unwrap_or_else(|| "unknown".into())
+                        ),
+                    )
+                    .await;
+            }
+            Err(not_found())
+        }
+        TokenLookup::Unknown => {
+            tracing::warn!(route, client = ?ip, "request with an unknown token");
+            Err(not_found())
+        }
+    }
+}
+
+async fn nocloud_document(
+    State(state): State<Arc<BootState>>,
+    Path((token, document)): Path<(String, String)>,
+    ClientIp(ip): ClientIp,
+) -> Response {
+    let (record, _machine) = match authorize(&state, &token, ip, "/nocloud").await {
+        Ok(found) => found,
+        Err(response) => return response,
+    };
+    tracing::info!(route = "/nocloud", document = %document, machine = %record.metal_machine, host = %record.host, attempt = record.attempt, client = ?ip, "NoCloud document");
+    state.publish(BootEvent::NoCloud {
+        namespace: record.namespace.clone(),
+        metal_machine: record.metal_machine.clone(),
+        host: record.host.clone(),
+        document: document.clone(),
+    });
+    match document.as_str() {
+        "meta-data" => match nocloud::meta_data(&record) {
+            Ok(body) => text(StatusCode::OK, body),
+            Err(e) => internal_error("rendering meta-data failed", e),
+        },
+        "user-data" => {
+            // Byte for byte what the bootstrap provider wrote, whatever its format.
+            let mut response = (StatusCode::OK, Bytes::from(record.user_data)).into_response();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            response
+                .headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            response
+        }
+        "vendor-data" => {
+            let url = format!(
+                "{}/callback/{}",
+                state.config.base_url,
+                record.token.expose()
+            );
+            match state
+                .templates
+                .vendor_data(&url, state.config.sentinel_wait_seconds)
+            {
+                Ok(body) => text(StatusCode::OK, body),
+                Err(e) => internal_error("rendering vendor-data failed", e),
+            }
+        }
+        "network-config" => text(StatusCode::OK, nocloud::network_config().into()),
+        _ => text(StatusCode::NOT_FOUND, "no such NoCloud document\n".into()),
+    }
+}
+
+async fn callback(
+    State(state): State<Arc<BootState>>,
+    Path(token): Path<String>,
+    ClientIp(ip): ClientIp,
+    body: Bytes,
+) -> Response {
+    let (record, machine) = match authorize(&state, &token, ip, "/callback").await {
+        Ok(found) => found,
+        Err(response) => {
+            crate::metrics::record_callback("refused");
+            return response;
+        }
+    };
+    let (hostname, addresses) = match nocloud::parse_callback(&body) {
+        Ok(report) => report,
+        Err(e) => {
+            tracing::warn!(route = "/callback", machine = %record.metal_machine, client = ?ip, error = %e, "rejected callback");
+            crate::metrics::record_callback("malformed");
+            state
+                .event(
+                    &machine,
+                    EventType::Warning,
+                    "BootCallbackRejected",
+                    e.to_string(),
+                )
+                .await;
+            return text(StatusCode::BAD_REQUEST, format!("{e}\n"));
+        }
+    };
+    let received = CallbackRecord {
+        hostname,
+        addresses,
+        source_ip: ip,
+        received_at: jiff::Timestamp::now().to_string(),
+    };
+    let patch = match tokens::callback_patch(&received) {
+        Ok(p) => p,
+        Err(e) => return internal_error("encoding the callback record failed", e),
+    };
+    let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
+    if let Err(e) = secrets
+        .patch(
+            &record.secret_name,
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        // The host retries; nothing is lost by answering 503.
+        tracing::error!(route = "/callback", machine = %record.metal_machine, error = %e, "could not record the callback");
+        return text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "could not record the callback, retry\n".into(),
+        );
+    }
+    tracing::info!(route = "/callback", machine = %record.metal_machine, host = %record.host, attempt = record.attempt, client = ?ip, addresses = ?received.addresses, "bootstrap succeeded");
+    crate::metrics::record_callback("accepted");
+    state.publish(BootEvent::Callback {
+        namespace: record.namespace.clone(),
+        metal_machine: record.metal_machine.clone(),
+        host: record.host.clone(),
+    });
+    let _ = state.callbacks.send(CallbackNotice {
+        namespace: record.namespace.clone(),
+        metal_machine: record.metal_machine.clone(),
+    });
+    text(StatusCode::OK, "ok\n".into())
+}

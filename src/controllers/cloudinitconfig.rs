@@ -1,0 +1,401 @@
+//! CloudInitConfig: metalboot's bootstrap provider (seed 001). Renders a `#cloud-config` into a
+//! Secret named like the config, owned by it, labelled with the cluster; the document always ends
+//! by writing the bootstrap-success sentinel.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::{Controller, watcher};
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+
+use crate::api::cloudinitconfig::{BootstrapInitialization, CloudInitConfigSpec, FileEncoding};
+use crate::api::{CLUSTER_NAME_LABEL, CloudInitConfig, Cluster, Machine};
+
+use super::conditions::{self, Want};
+use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
+
+pub const FIELD_MANAGER: &str = "metalboot-cloudinitconfig";
+/// The file the bootstrap data creates when it succeeded (Cluster API contract).
+pub const SENTINEL: &str = "/run/cluster-api/bootstrap-success.complete";
+pub const SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
+
+#[derive(Serialize)]
+struct User {
+    name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    groups: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shell: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sudo: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    ssh_authorized_keys: Vec<String>,
+    lock_passwd: bool,
+}
+
+#[derive(Serialize)]
+struct WriteFile {
+    path: String,
+    content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    encoding: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    owner: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permissions: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    append: bool,
+}
+
+#[derive(Serialize)]
+struct Ntp {
+    enabled: bool,
+    servers: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct CloudConfig {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    users: Vec<User>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ntp: Option<Ntp>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    bootcmd: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    write_files: Vec<WriteFile>,
+    runcmd: Vec<String>,
+}
+
+/// Renders the `#cloud-config`. `resolved` maps `spec.files[i]` with `contentFrom` to its content.
+/// Built from typed values with serde_yaml, so user content cannot break the document.
+pub fn render(
+    spec: &CloudInitConfigSpec,
+    resolved: &BTreeMap<usize, String>,
+) -> Result<String, String> {
+    let mut write_files = Vec::new();
+    for (i, f) in spec.files.iter().enumerate() {
+        let content = match (&f.content, resolved.get(&i)) {
+            (Some(c), _) => c.clone(),
+            (None, Some(c)) => c.clone(),
+            (None, None) => return Err(format!("spec.files[{i}]: no content")),
+        };
+        if f.encoding == Some(FileEncoding::Base64) {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD
+                .decode(content.trim())
+                .map_err(|e| format!("spec.files[{i}].content is not valid base64: {e}"))?;
+        }
+        write_files.push(WriteFile {
+            path: f.path.clone(),
+            content,
+            encoding: f.encoding.map(|_| "b64".to_string()),
+            owner: f.owner.clone(),
+            permissions: f.permissions.clone(),
+            append: f.append.unwrap_or(false),
+        });
+    }
+    let mut runcmd = spec.commands.clone();
+    runcmd.push(format!("mkdir -p /run/cluster-api && touch {SENTINEL}"));
+    let doc = CloudConfig {
+        users: spec
+            .users
+            .iter()
+            .map(|u| User {
+                name: u.name.clone(),
+                groups: (!u.groups.is_empty()).then(|| u.groups.join(", ")),
+                shell: u.shell.clone(),
+                sudo: u.sudo.clone(),
+                ssh_authorized_keys: u
+                    .ssh_authorized_keys
+                    .iter()
+                    .filter(|k| !k.is_empty())
+                    .cloned()
+                    .collect(),
+                lock_passwd: u.lock_password.unwrap_or(true),
+            })
+            .collect(),
+        ntp: (!spec.ntp_servers.is_empty()).then(|| Ntp {
+            enabled: true,
+            servers: spec.ntp_servers.clone(),
+        }),
+        bootcmd: spec.boot_commands.clone(),
+        write_files,
+        runcmd,
+    };
+    let yaml = serde_yaml::to_string(&doc).map_err(|e| e.to_string())?;
+    Ok(format!("#cloud-config\n{yaml}"))
+}
+
+pub struct ConfigContext {
+    pub client: kube::Client,
+    pub events: Events,
+    pub backoff: Backoff,
+    pub watch_filter: Option<String>,
+}
+
+fn machine_owner(cfg: &CloudInitConfig) -> Option<String> {
+    cfg.owner_references()
+        .iter()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+async fn reconcile(
+    cfg: Arc<CloudInitConfig>,
+    ctx: Arc<ConfigContext>,
+) -> Result<Action, ReconcileError> {
+    if !passes_watch_filter(cfg.as_ref(), ctx.watch_filter.as_deref()) {
+        return Ok(Action::await_change());
+    }
+    let ns = cfg.namespace().unwrap_or_default();
+    let name = cfg.name_any();
+    // 1. No Machine owner → exit (the Machine controller adds it).
+    let Some(owner) = machine_owner(&cfg) else {
+        return Ok(Action::await_change());
+    };
+    // 2. Terminal failure → exit.
+    let status = cfg.status.clone().unwrap_or_default();
+    if status.failure_reason.is_some() || status.failure_message.is_some() {
+        return Ok(Action::await_change());
+    }
+    // 3. Cluster missing → exit (retry later; nothing written).
+    let cluster_name = match cfg.labels().get(CLUSTER_NAME_LABEL) {
+        Some(c) => c.clone(),
+        None => Api::<Machine>::namespaced(ctx.client.clone(), &ns)
+            .get_opt(&owner)
+            .await
+            .map_err(ReconcileError::read(format!("Machine {owner}")))?
+            .map(|m| m.spec.cluster_name)
+            .unwrap_or_default(),
+    };
+    let cluster = if cluster_name.is_empty() {
+        None
+    } else {
+        Api::<Cluster>::namespaced(ctx.client.clone(), &ns)
+            .get_opt(&cluster_name)
+            .await
+            .map_err(ReconcileError::read(format!("Cluster {cluster_name}")))?
+    };
+    if cluster.is_none() {
+        return Ok(Action::requeue(Duration::from_secs(15)));
+    }
+    // 4–5. Deterministic name; create the Secret when missing.
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let now = conditions::now();
+    let mut status = status;
+    if secrets
+        .get_opt(&name)
+        .await
+        .map_err(ReconcileError::read(format!("Secret {name}")))?
+        .is_none()
+    {
+        let mut resolved = BTreeMap::new();
+        let mut problem = None;
+        for (i, f) in cfg.spec.files.iter().enumerate() {
+            if let Some(from) = &f.content_from {
+                let value = secrets
+                    .get_opt(&from.secret.name)
+                    .await
+                    .map_err(ReconcileError::read(format!("Secret {}", from.secret.name)))?
+                    .and_then(|s| s.data)
+                    .and_then(|d| d.get(&from.secret.key).cloned())
+                    .and_then(|b| String::from_utf8(b.0).ok());
+                match value {
+                    Some(v) => {
+                        resolved.insert(i, v);
+                    }
+                    None => {
+                        problem = Some(format!(
+                            "spec.files[{i}].contentFrom.secret: Secret {}/{} has no UTF-8 key {:?}",
+                            ns, from.secret.name, from.secret.key
+                        ));
+                        break;
+                    }
+                }
+            }
+        }
+        let rendered = match problem {
+            Some(p) => Err(p),
+            None => render(&cfg.spec, &resolved),
+        };
+        let data = match rendered {
+            Ok(d) => d,
+            Err(message) => {
+                // A missing referenced Secret may appear later; an invalid spec will not.
+                let transient = message.contains("contentFrom");
+                conditions::set(
+                    &mut status.conditions,
+                    Want::f("Ready", "InvalidSpec", message.clone()),
+                    cfg.metadata.generation,
+                    &now,
+                );
+                if !transient {
+                    status.failure_reason = Some("InvalidSpec".into());
+                    status.failure_message = Some(message.clone());
+                }
+                let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);
+                apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+                ctx.events
+                    .publish(cfg.as_ref(), true, "InvalidSpec", message)
+                    .await;
+                return Ok(if transient {
+                    Action::requeue(Duration::from_secs(15))
+                } else {
+                    Action::await_change()
+                });
+            }
+        };
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(ns.clone()),
+                labels: Some(BTreeMap::from([(
+                    CLUSTER_NAME_LABEL.to_string(),
+                    cluster_name.clone(),
+                )])),
+                owner_references: cfg.controller_owner_ref(&()).map(|o| vec![o]),
+                ..Default::default()
+            },
+            type_: Some(SECRET_TYPE.into()),
+            data: Some(BTreeMap::from([
+                ("value".to_string(), ByteString(data.into_bytes())),
+                ("format".to_string(), ByteString(b"cloud-config".to_vec())),
+            ])),
+            ..Default::default()
+        };
+        match secrets.create(&PostParams::default(), &secret).await {
+            Ok(_) => {
+                ctx.events
+                    .publish(
+                        cfg.as_ref(),
+                        false,
+                        "BootstrapDataCreated",
+                        format!("Secret {name} written"),
+                    )
+                    .await
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(ReconcileError::write(format!("Secret {name}"))(e)),
+        }
+    }
+    // 6–8. Status.
+    status.data_secret_name = Some(name.clone());
+    status.ready = true;
+    status.initialization = Some(BootstrapInitialization {
+        data_secret_created: Some(true),
+    });
+    status.observed_generation = cfg.metadata.generation;
+    conditions::set(
+        &mut status.conditions,
+        Want::t(
+            "Ready",
+            "DataSecretCreated",
+            format!("bootstrap data in Secret {name}"),
+        ),
+        cfg.metadata.generation,
+        &now,
+    );
+    if Some(&status) != cfg.status.as_ref() {
+        let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);
+        apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+    }
+    ctx.backoff.reset(&key(cfg.as_ref()));
+    Ok(Action::await_change())
+}
+
+fn error_policy(
+    cfg: Arc<CloudInitConfig>,
+    error: &ReconcileError,
+    ctx: Arc<ConfigContext>,
+) -> Action {
+    let delay = ctx.backoff.next(&key(cfg.as_ref()));
+    tracing::warn!(config = %key(cfg.as_ref()), error = %error, retry_in = ?delay, "CloudInitConfig reconcile failed");
+    Action::requeue(delay)
+}
+
+pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<CloudInitConfig> {
+    let (configs, secrets): (Api<CloudInitConfig>, Api<Secret>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    // A deleted bootstrap Secret is recreated under the same name.
+    Controller::new(configs, watcher::Config::default()).owns(
+        secrets,
+        watcher::Config::default().labels(CLUSTER_NAME_LABEL),
+    )
+}
+
+pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext>) {
+    controller
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::cloudinitconfig::{CloudInitFile, CloudInitUser};
+
+    #[test]
+    fn rendering_is_stable_and_ends_with_the_sentinel() {
+        let spec = CloudInitConfigSpec {
+            users: vec![CloudInitUser {
+                name: "capi".into(),
+                sudo: Some("ALL=(ALL) NOPASSWD:ALL".into()),
+                ssh_authorized_keys: vec!["ssh-ed25519 AAAA test".into()],
+                ..Default::default()
+            }],
+            files: vec![
+                CloudInitFile {
+                    path: "/etc/a".into(),
+                    content: Some("line: 1\n'quoted' \"x\"\n".into()),
+                    permissions: Some("0600".into()),
+                    ..Default::default()
+                },
+                CloudInitFile {
+                    path: "/etc/b".into(),
+                    ..Default::default()
+                },
+            ],
+            commands: vec!["echo 'hi: there'".into()],
+            ..Default::default()
+        };
+        let out =
+            render(&spec, &BTreeMap::from([(1, "from secret\n".to_string())])).expect("render");
+        let golden = "#cloud-config\nusers:\n- name: capi\n  sudo: ALL=(ALL) NOPASSWD:ALL\n  ssh_authorized_keys:\n  - ssh-ed25519 AAAA test\n  lock_passwd: true\nwrite_files:\n- path: /etc/a\n  content: |\n    line: 1\n    'quoted' \"x\"\n  permissions: '0600'\n- path: /etc/b\n  content: |\n    from secret\nruncmd:\n- 'echo ''hi: there'''\n- mkdir -p /run/cluster-api && touch /run/cluster-api/bootstrap-success.complete\n";
+        assert_eq!(out, golden);
+        let parsed: serde_yaml::Value =
+            serde_yaml::from_str(out.trim_start_matches("#cloud-config\n")).expect("valid YAML");
+        assert_eq!(
+            parsed["write_files"][0]["content"],
+            "line: 1\n'quoted' \"x\"\n"
+        );
+    }
+
+    #[test]
+    fn invalid_base64_names_the_field() {
+        let spec = CloudInitConfigSpec {
+            files: vec![CloudInitFile {
+                path: "/x".into(),
+                content: Some("***".into()),
+                encoding: Some(FileEncoding::Base64),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let err = render(&spec, &BTreeMap::new()).expect_err("invalid");
+        assert!(err.contains("spec.files[0].content"), "{err}");
+    }
+}

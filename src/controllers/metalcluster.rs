@@ -1,0 +1,278 @@
+//! MetalCluster controller: bare metal has no cloud load balancer, so the infrastructure cluster
+//! is ready once the operator's control-plane endpoint is valid; its failure domains are the
+//! distinct values of the failure-domain label on the namespace's MetalHosts.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::{Controller, watcher};
+
+use crate::api::common::FailureDomain;
+use crate::api::metalcluster::{ClusterInitialization, MetalClusterStatus};
+use crate::api::{Cluster, DEFAULT_FAILURE_DOMAIN_LABEL, MetalCluster, MetalHost};
+
+use super::conditions::{self, Want};
+use super::{Backoff, ReconcileError, apply_status, is_paused, key, passes_watch_filter};
+
+pub const FIELD_MANAGER: &str = "metalboot-metalcluster";
+/// Objects with this label are managed by someone else (Cluster API contract).
+pub const MANAGED_BY_LABEL: &str = "cluster.x-k8s.io/managed-by";
+
+/// The status a MetalCluster should have, from its spec and the hosts in its namespace.
+pub fn desired_status(
+    mc: &MetalCluster,
+    hosts: &[Arc<MetalHost>],
+    paused: bool,
+    now: &Time,
+) -> MetalClusterStatus {
+    let mut status = mc.status.clone().unwrap_or_default();
+    let generation = mc.metadata.generation;
+    status.observed_generation = generation;
+    if paused {
+        conditions::set(
+            &mut status.conditions,
+            Want::t("Paused", "Paused", "the Cluster or this object is paused"),
+            generation,
+            now,
+        );
+        return status;
+    }
+    status.conditions.retain(|c| c.type_ != "Paused");
+    let label = mc
+        .spec
+        .failure_domain_label
+        .as_deref()
+        .unwrap_or(DEFAULT_FAILURE_DOMAIN_LABEL);
+    let domains: BTreeSet<String> = hosts
+        .iter()
+        .filter(|h| h.namespace() == mc.namespace())
+        .filter_map(|h| h.labels().get(label).cloned())
+        .filter(|v| !v.is_empty())
+        .collect();
+    status.failure_domains = domains
+        .into_iter()
+        .map(|name| FailureDomain {
+            name,
+            control_plane: Some(true),
+            attributes: None,
+        })
+        .collect();
+    let endpoint = &mc.spec.control_plane_endpoint;
+    let already =
+        status.ready || status.initialization.as_ref().and_then(|i| i.provisioned) == Some(true);
+    if endpoint.is_set() || already {
+        // Once provisioned, never back (contract); an endpoint change does not unprovision.
+        status.ready = true;
+        status.initialization = Some(ClusterInitialization {
+            provisioned: Some(true),
+        });
+        conditions::set(
+            &mut status.conditions,
+            Want::t(
+                "Ready",
+                "Ready",
+                format!("control plane endpoint {}:{}", endpoint.host, endpoint.port),
+            ),
+            generation,
+            now,
+        );
+    } else {
+        conditions::set(
+            &mut status.conditions,
+            Want::f(
+                "Ready",
+                "ControlPlaneEndpointMissing",
+                "spec.controlPlaneEndpoint must name the workload cluster's apiserver (host and port 1-65535)",
+            ),
+            generation,
+            now,
+        );
+    }
+    status
+}
+
+pub struct ClusterContext {
+    pub client: kube::Client,
+    pub hosts: Store<MetalHost>,
+    pub backoff: Backoff,
+    pub watch_filter: Option<String>,
+}
+
+async fn reconcile(
+    mc: Arc<MetalCluster>,
+    ctx: Arc<ClusterContext>,
+) -> Result<Action, ReconcileError> {
+    if !passes_watch_filter(mc.as_ref(), ctx.watch_filter.as_deref())
+        || mc.labels().contains_key(MANAGED_BY_LABEL)
+    {
+        return Ok(Action::await_change());
+    }
+    let namespace = mc.namespace().unwrap_or_default();
+    let owner = mc
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "Cluster" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone());
+    let cluster = match owner {
+        Some(name) => Api::<Cluster>::namespaced(ctx.client.clone(), &namespace)
+            .get_opt(&name)
+            .await
+            .map_err(ReconcileError::read(format!("Cluster {name}")))?,
+        None => None,
+    };
+    let status = desired_status(
+        &mc,
+        &ctx.hosts.state(),
+        is_paused(mc.as_ref(), cluster.as_ref()),
+        &conditions::now(),
+    );
+    if Some(&status) != mc.status.as_ref() {
+        let api: Api<MetalCluster> = Api::namespaced(ctx.client.clone(), &namespace);
+        apply_status(&api, &mc.name_any(), FIELD_MANAGER, &status).await?;
+    }
+    ctx.backoff.reset(&key(mc.as_ref()));
+    Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+fn error_policy(mc: Arc<MetalCluster>, error: &ReconcileError, ctx: Arc<ClusterContext>) -> Action {
+    let delay = ctx.backoff.next(&key(mc.as_ref()));
+    tracing::warn!(cluster = %key(mc.as_ref()), error = %error, retry_in = ?delay, "MetalCluster reconcile failed");
+    Action::requeue(delay)
+}
+
+pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<MetalCluster> {
+    let (clusters, hosts): (Api<MetalCluster>, Api<MetalHost>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let controller = Controller::new(clusters, watcher::Config::default());
+    let store = controller.store();
+    // Host labels define the failure domains: a host change re-evaluates its namespace's clusters.
+    controller.watches(hosts, watcher::Config::default(), move |host| {
+        let namespace = host.namespace();
+        store
+            .state()
+            .into_iter()
+            .filter(|c| c.namespace() == namespace)
+            .map(|c| ObjectRef::from_obj(c.as_ref()))
+            .collect::<Vec<_>>()
+    })
+}
+
+pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {
+    controller
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "MetalCluster controller event");
+            }
+        })
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::common::ApiEndpoint;
+    use crate::api::metalcluster::MetalClusterSpec;
+    use crate::api::metalhost::{BmcDetails, MetalHostSpec};
+
+    fn cluster(host: &str, port: i32) -> MetalCluster {
+        let mut mc = MetalCluster::new(
+            "c",
+            MetalClusterSpec {
+                control_plane_endpoint: ApiEndpoint {
+                    host: host.into(),
+                    port,
+                },
+                failure_domain_label: None,
+            },
+        );
+        mc.metadata.namespace = Some("ns".into());
+        mc
+    }
+
+    fn host(ns: &str, fd: Option<&str>) -> Arc<MetalHost> {
+        let mut h = MetalHost::new(
+            "h",
+            MetalHostSpec {
+                bmc: BmcDetails {
+                    address: "redfish://b".into(),
+                    credentials_name: "c".into(),
+                    disable_certificate_verification: None,
+                    ca_secret_name: None,
+                },
+                boot_mac_address: "52:54:00:00:00:01".into(),
+                boot_mode: None,
+                online: true,
+                description: None,
+            },
+        );
+        h.metadata.namespace = Some(ns.into());
+        h.metadata.labels =
+            fd.map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into());
+        Arc::new(h)
+    }
+
+    #[test]
+    fn readiness_follows_the_endpoint_and_never_goes_back() {
+        let now = conditions::now();
+        let missing = desired_status(&cluster("", 0), &[], false, &now);
+        assert!(!missing.ready);
+        assert_eq!(
+            conditions::get(&missing.conditions, "Ready").map(|c| c.reason.as_str()),
+            Some("ControlPlaneEndpointMissing")
+        );
+        let ready = desired_status(&cluster("10.0.0.10", 6443), &[], false, &now);
+        assert!(
+            ready.ready && ready.initialization.as_ref().and_then(|i| i.provisioned) == Some(true)
+        );
+        let mut emptied = cluster("", 0);
+        emptied.status = Some(ready);
+        assert!(
+            desired_status(&emptied, &[], false, &now).ready,
+            "provisioned never goes back"
+        );
+    }
+
+    #[test]
+    fn failure_domains_are_the_distinct_host_labels_of_the_namespace() {
+        let hosts = vec![
+            host("ns", Some("rack-b")),
+            host("ns", Some("rack-a")),
+            host("ns", Some("rack-b")),
+            host("ns", None),
+            host("other", Some("rack-z")),
+        ];
+        let status = desired_status(
+            &cluster("10.0.0.10", 6443),
+            &hosts,
+            false,
+            &conditions::now(),
+        );
+        let names: Vec<&str> = status
+            .failure_domains
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(names, vec!["rack-a", "rack-b"]);
+    }
+
+    #[test]
+    fn paused_clusters_only_get_the_paused_condition() {
+        let status = desired_status(&cluster("10.0.0.10", 6443), &[], true, &conditions::now());
+        assert!(conditions::is_true(&status.conditions, "Paused"));
+        assert!(!status.ready);
+    }
+}

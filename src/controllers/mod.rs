@@ -1,0 +1,258 @@
+//! Reconcilers. Each controller file keeps its decisions in pure functions (observed state →
+//! actions and status, table-tested without a server) and a thin I/O shell around them. This
+//! module holds what they share: conditions, per-object backoff, status writes, Events, pause.
+
+pub mod cloudinitconfig;
+pub mod cluster;
+pub mod conditions;
+pub mod drain;
+pub mod hostbmc;
+pub mod machine;
+pub mod metalcluster;
+pub mod metalhost;
+pub mod metalmachine;
+pub mod refs;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::api::PAUSED_ANNOTATION;
+
+/// Errors of a reconcile, by stage, so the log line and the condition say what failed where.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("reading {what}: {source}")]
+    Read {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing {what}: {source}")]
+    Write {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// A BMC operation failed; `reason` is the BMC error's condition reason.
+    #[error("BMC of {host}: {message}")]
+    Bmc {
+        host: String,
+        reason: &'static str,
+        message: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Drain(#[from] drain::DrainError),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<ReconcileError>>),
+    /// Not an error: cleanup is under way and must be looked at again. kube's `finalizer()`
+    /// removes the finalizer on any `Ok`, so "not done yet" travels as this variant.
+    #[error("{what}; checking again in {after:?}")]
+    Requeue { what: String, after: Duration },
+}
+
+impl ReconcileError {
+    /// For `Requeue` (also inside a finalizer error): when to look again, without backoff.
+    pub fn requeue_after(&self) -> Option<Duration> {
+        use kube::runtime::finalizer::Error as F;
+        match self {
+            ReconcileError::Requeue { after, .. } => Some(*after),
+            ReconcileError::Finalizer(inner) => match inner.as_ref() {
+                F::ApplyFailed(e) | F::CleanupFailed(e) => e.requeue_after(),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    pub fn read(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
+        let what = what.into();
+        move |source| ReconcileError::Read { what, source }
+    }
+    pub fn write(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
+        let what = what.into();
+        move |source| ReconcileError::Write { what, source }
+    }
+}
+
+/// Per-object exponential backoff for `error_policy` (kube-runtime has none built in): 2 s, 4 s,
+/// … capped at 5 minutes, with ±20 % jitter so a rack of failing hosts does not retry in step.
+#[derive(Default)]
+pub struct Backoff {
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Backoff {
+    pub const BASE: Duration = Duration::from_secs(2);
+    pub const MAX: Duration = Duration::from_secs(300);
+
+    /// Delay before retrying `key` after another failure.
+    pub fn next(&self, key: &str) -> Duration {
+        let n = self
+            .failures
+            .lock()
+            .map(|mut f| {
+                let n = f.entry(key.to_string()).or_insert(0);
+                *n = n.saturating_add(1);
+                *n
+            })
+            .unwrap_or(1);
+        let jitter = 0.8 + rand::random::<f64>() * 0.4;
+        backoff_delay(n).mul_f64(jitter)
+    }
+
+    /// `key` reconciled fine: its next failure starts from the base delay again.
+    pub fn reset(&self, key: &str) {
+        if let Ok(mut f) = self.failures.lock() {
+            f.remove(key);
+        }
+    }
+}
+
+/// Delay after the `n`th consecutive failure, without jitter.
+pub fn backoff_delay(n: u32) -> Duration {
+    let exp = n.saturating_sub(1).min(16);
+    Backoff::BASE.saturating_mul(1u32 << exp).min(Backoff::MAX)
+}
+
+/// `namespace/name` of an object, the key for backoff and logs.
+pub fn key<K: Resource>(obj: &K) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+/// Writes `status` with server-side apply under the controller's own field manager (forced:
+/// this controller is the only writer of these fields, and a conflict must not hot-loop).
+pub async fn apply_status<K, S>(
+    api: &Api<K>,
+    name: &str,
+    manager: &str,
+    status: &S,
+) -> Result<(), ReconcileError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+    S: Serialize,
+{
+    let patch = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(manager).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map(|_| ())
+    .map_err(ReconcileError::write(format!(
+        "{} {name} status",
+        K::kind(&())
+    )))
+}
+
+/// Patch parameters for a merge patch written under a controller's field manager.
+pub fn merge_params(manager: &str) -> PatchParams {
+    PatchParams {
+        field_manager: Some(manager.to_string()),
+        ..Default::default()
+    }
+}
+
+/// Publishes Events for one controller; failures to publish are logged, never fatal.
+#[derive(Clone)]
+pub struct Events {
+    recorder: Recorder,
+}
+
+impl Events {
+    pub fn new(client: kube::Client, controller: &str) -> Self {
+        Self {
+            recorder: Recorder::new(
+                client,
+                Reporter {
+                    controller: controller.into(),
+                    instance: std::env::var("POD_NAME").ok(),
+                },
+            ),
+        }
+    }
+
+    pub async fn publish<K: Resource<DynamicType = ()>>(
+        &self,
+        obj: &K,
+        warning: bool,
+        reason: &str,
+        note: impl Into<String>,
+    ) {
+        let note: String = note.into();
+        let event = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            // Events are capped at 1 kB; keep the start, which says what happened.
+            note: Some(note.chars().take(1000).collect()),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &obj.object_ref(&())).await {
+            tracing::warn!(reason, error = %e, "could not publish Event");
+        }
+    }
+}
+
+/// Cluster API pause: the object's own annotation or its Cluster's `spec.paused`.
+pub fn is_paused<K: Resource>(obj: &K, cluster: Option<&crate::api::Cluster>) -> bool {
+    obj.annotations().contains_key(PAUSED_ANNOTATION) || cluster.is_some_and(|c| c.paused())
+}
+
+/// Whether `obj` passes `--watch-filter`: no filter, or the label `cluster.x-k8s.io/watch-filter`
+/// equal to it.
+pub fn passes_watch_filter<K: Resource>(obj: &K, filter: Option<&str>) -> bool {
+    match filter.filter(|f| !f.is_empty()) {
+        None => true,
+        Some(f) => {
+            obj.labels()
+                .get(crate::api::WATCH_FILTER_LABEL)
+                .map(String::as_str)
+                == Some(f)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_then_caps() {
+        let delays: Vec<u64> = (1..=10).map(|n| backoff_delay(n).as_secs()).collect();
+        assert_eq!(delays, vec![2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        assert_eq!(backoff_delay(u32::MAX), Backoff::MAX);
+    }
+
+    #[test]
+    fn backoff_is_per_object_and_resets() {
+        let b = Backoff::default();
+        let first = b.next("ns/a");
+        let _ = b.next("ns/a");
+        let third = b.next("ns/a");
+        assert!(third > first, "{third:?} > {first:?}");
+        assert!(
+            b.next("ns/b") <= Duration::from_millis(2400),
+            "another object starts at the base"
+        );
+        b.reset("ns/a");
+        assert!(b.next("ns/a") <= Duration::from_millis(2400));
+    }
+}

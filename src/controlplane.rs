@@ -1,0 +1,535 @@
+//! The local Kubernetes control plane: etcd and kube-apiserver, built from source by
+//! `hack/control-plane/build.sh`, started on free loopback ports with a generated CA and a
+//! client-certificate admin (group `system:masters`). The test suite, `metalboot control-plane`
+//! and the lab use it. Like upstream envtest it runs no controller-manager, so there is no
+//! garbage collector and no namespace finalization. It is not a production installer.
+
+use std::fs;
+use std::io::{self, BufRead};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpListener};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, Once, OnceLock, mpsc};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+use crate::pki::{self, Ca};
+
+/// Loopback address the guest VMs of the lab use to reach the host (QEMU user-mode networking);
+/// the apiserver certificate names it so a lab host can register its Node over TLS.
+pub const QEMU_HOST_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
+
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+const PIDS_FILE: &str = "pids";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlPlaneError {
+    #[error(
+        "control-plane binary {0} is missing; build it with hack/control-plane/build.sh (make test and make lab do this)"
+    )]
+    MissingBinary(PathBuf),
+    #[error("generating control-plane certificates: {0}")]
+    Certificates(#[from] rcgen::Error),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "{name} exited before the control plane was ready ({status}); last lines of {log}:\n{tail}"
+    )]
+    Exited {
+        name: &'static str,
+        status: String,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("kube-apiserver did not become ready within {}s; last lines of {log}:\n{tail}", READY_TIMEOUT.as_secs())]
+    NotReady { log: PathBuf, tail: String },
+    #[error("kubeconfig for the control plane: {0}")]
+    Kubeconfig(String),
+    #[error("no control plane recorded in {0} (nothing to stop)")]
+    NothingToStop(PathBuf),
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> ControlPlaneError + 'a {
+    move |source| ControlPlaneError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How the started processes relate to this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifetime {
+    /// Killed when this process exits, however it exits (tests, the in-process lab).
+    TiedToThisProcess,
+    /// Left running in their own session; `stop_detached` ends them (`hack/control-plane/start.sh`).
+    Detached,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub bin_dir: PathBuf,
+    pub data_dir: PathBuf,
+    pub lifetime: Lifetime,
+}
+
+/// A running control plane. Dropping it stops processes it owns (not detached ones).
+pub struct ControlPlane {
+    pub data_dir: PathBuf,
+    pub kubeconfig_path: PathBuf,
+    pub server: String,
+    pub kubeconfig: Kubeconfig,
+    /// The CA that signed the apiserver certificate, for kubeconfigs handed to lab hosts.
+    pub ca_pem: String,
+    children: Vec<Child>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("server", &self.server)
+            .field("kubeconfig_path", &self.kubeconfig_path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where `hack/control-plane/build.sh` puts the binaries unless `METALBOOT_CONTROL_PLANE_BIN` says.
+pub fn default_bin_dir() -> PathBuf {
+    std::env::var_os("METALBOOT_CONTROL_PLANE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_dir().join("target/control-plane/bin"))
+}
+
+/// The source checkout this binary was built from (the lab and tests keep their state there).
+pub fn project_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
+}
+
+impl ControlPlane {
+    pub async fn start(opts: &Options) -> Result<Self, ControlPlaneError> {
+        let etcd_bin = opts.bin_dir.join("etcd");
+        let apiserver_bin = opts.bin_dir.join("kube-apiserver");
+        for bin in [&etcd_bin, &apiserver_bin] {
+            if !bin.is_file() {
+                return Err(ControlPlaneError::MissingBinary(bin.clone()));
+            }
+        }
+        let dir = &opts.data_dir;
+        fs::create_dir_all(dir).map_err(io_err("creating data directory", dir))?;
+        let pki_dir = dir.join("pki");
+        fs::create_dir_all(&pki_dir).map_err(io_err("creating", &pki_dir))?;
+
+        let ca = Ca::new("metalboot-local-control-plane")?;
+        let serving = ca.issue_server(
+            &[
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+            ],
+            &[
+                IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(Ipv6Addr::LOCALHOST),
+                IpAddr::V4(QEMU_HOST_ADDRESS),
+                IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+            ],
+        )?;
+        let admin = ca.issue_client("metalboot-admin", &["system:masters"])?;
+        let (sa_key, sa_pub) = pki::new_key_pair_pem()?;
+        let write = |name: &str, content: &str| -> Result<PathBuf, ControlPlaneError> {
+            let path = pki_dir.join(name);
+            fs::write(&path, content).map_err(io_err("writing", &path))?;
+            Ok(path)
+        };
+        let ca_path = write("ca.crt", &ca.cert_pem())?;
+        let cert_path = write("apiserver.crt", &serving.cert_pem)?;
+        let key_path = write("apiserver.key", &serving.key_pem)?;
+        let sa_path = write("service-account.key", &sa_key)?;
+        let sa_pub_path = write("service-account.pub", &sa_pub)?;
+
+        let (etcd_port, etcd_peer_port, api_port) =
+            (|| Ok((free_port()?, free_port()?, free_port()?)))()
+                .map_err(io_err("finding free loopback ports for", dir))?;
+        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        let server = format!("https://127.0.0.1:{api_port}");
+
+        let mut children = Vec::new();
+        let etcd_log = dir.join("etcd.log");
+        let etcd_dir = dir.join("etcd");
+        let mut etcd = Command::new(&etcd_bin);
+        etcd.arg("--data-dir")
+            .arg(&etcd_dir)
+            .arg(format!("--listen-client-urls={etcd_url}"))
+            .arg(format!("--advertise-client-urls={etcd_url}"))
+            .arg(format!(
+                "--listen-peer-urls=http://127.0.0.1:{etcd_peer_port}"
+            ))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}"
+            ))
+            .arg(format!(
+                "--initial-cluster=default=http://127.0.0.1:{etcd_peer_port}"
+            ))
+            .arg("--unsafe-no-fsync")
+            .arg("--log-level=warn");
+        children.push(spawn("etcd", etcd, &etcd_log, opts.lifetime)?);
+
+        let api_log = dir.join("kube-apiserver.log");
+        let mut api = Command::new(&apiserver_bin);
+        api.arg(format!("--etcd-servers={etcd_url}"))
+            .arg(format!("--secure-port={api_port}"))
+            .arg("--bind-address=127.0.0.1")
+            .arg("--advertise-address=127.0.0.1")
+            .arg("--service-cluster-ip-range=10.0.0.0/24")
+            .arg("--allow-privileged=true")
+            .arg("--authorization-mode=RBAC")
+            // No controller-manager creates ServiceAccounts, so pods in tests would be rejected.
+            .arg("--disable-admission-plugins=ServiceAccount")
+            .arg(format!("--client-ca-file={}", ca_path.display()))
+            .arg(format!("--tls-cert-file={}", cert_path.display()))
+            .arg(format!("--tls-private-key-file={}", key_path.display()))
+            .arg(format!(
+                "--service-account-key-file={}",
+                sa_pub_path.display()
+            ))
+            .arg(format!(
+                "--service-account-signing-key-file={}",
+                sa_path.display()
+            ))
+            .arg("--service-account-issuer=https://kubernetes.default.svc")
+            .arg(format!("--cert-dir={}", pki_dir.display()))
+            .arg("--v=1");
+        children.push(spawn("kube-apiserver", api, &api_log, opts.lifetime)?);
+
+        if opts.lifetime == Lifetime::Detached {
+            let pids: String = children
+                .iter()
+                .zip(["etcd", "kube-apiserver"])
+                .map(|(c, name)| format!("{name} {}\n", c.id()))
+                .collect();
+            let path = dir.join(PIDS_FILE);
+            fs::write(&path, pids).map_err(io_err("writing", &path))?;
+        }
+
+        let kubeconfig = admin_kubeconfig(&server, &ca.cert_pem(), &admin)?;
+        let kubeconfig_path = dir.join("kubeconfig");
+        let yaml = serde_yaml::to_string(&kubeconfig)
+            .map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))?;
+        fs::write(&kubeconfig_path, yaml).map_err(io_err("writing", &kubeconfig_path))?;
+
+        let mut cp = ControlPlane {
+            data_dir: dir.clone(),
+            kubeconfig_path,
+            server,
+            kubeconfig,
+            ca_pem: ca.cert_pem(),
+            children,
+        };
+        cp.wait_ready(&etcd_log, &api_log).await?;
+        if opts.lifetime == Lifetime::Detached {
+            // The processes outlive us; forget the handles so Drop does not stop them.
+            cp.children.clear();
+        }
+        Ok(cp)
+    }
+
+    async fn wait_ready(
+        &mut self,
+        etcd_log: &Path,
+        api_log: &Path,
+    ) -> Result<(), ControlPlaneError> {
+        let client = self.client().await?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            for (child, name, log) in self
+                .children
+                .iter_mut()
+                .zip([("etcd", etcd_log), ("kube-apiserver", api_log)])
+                .map(|(c, (n, l))| (c, n, l))
+            {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(ControlPlaneError::Exited {
+                        name,
+                        status: status.to_string(),
+                        log: log.to_path_buf(),
+                        tail: tail(log, 15),
+                    });
+                }
+            }
+            let request = http::Request::get("/readyz").body(Vec::new());
+            if let Ok(request) = request
+                && let Ok(body) = client.request_text(request).await
+                && body.trim() == "ok"
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(ControlPlaneError::NotReady {
+                    log: api_log.to_path_buf(),
+                    tail: tail(api_log, 15),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// A new client for this control plane. Each tokio runtime needs its own client.
+    pub async fn client(&self) -> Result<kube::Client, ControlPlaneError> {
+        client_from_kubeconfig(self.kubeconfig.clone()).await
+    }
+
+    /// Stops the processes this handle owns and waits for them to exit.
+    pub fn stop(mut self) {
+        self.stop_children();
+    }
+
+    fn stop_children(&mut self) {
+        for child in self.children.iter_mut().rev() {
+            terminate(child.id());
+        }
+        for child in self.children.iter_mut() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop_children();
+    }
+}
+
+pub async fn client_from_kubeconfig(
+    kubeconfig: Kubeconfig,
+) -> Result<kube::Client, ControlPlaneError> {
+    client_with_retries(kubeconfig, true).await
+}
+
+/// A client whose requests are not retried on 429/503/504 by kube's middleware. The eviction API
+/// answers 429 when a PodDisruptionBudget refuses, and kube's default policy would then sleep
+/// for minutes inside one request; the drain retries on its own schedule instead.
+pub async fn client_with_retries(
+    kubeconfig: Kubeconfig,
+    retries: bool,
+) -> Result<kube::Client, ControlPlaneError> {
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))?;
+    config.default_retry = retries;
+    kube::Client::try_from(config).map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))
+}
+
+fn admin_kubeconfig(
+    server: &str,
+    ca_pem: &str,
+    admin: &pki::CertAndKey,
+) -> Result<Kubeconfig, ControlPlaneError> {
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
+    let value = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "metalboot-local", "cluster": {
+            "server": server, "certificate-authority-data": b64(ca_pem)}}],
+        "users": [{"name": "metalboot-admin", "user": {
+            "client-certificate-data": b64(&admin.cert_pem),
+            "client-key-data": b64(&admin.key_pem)}}],
+        "contexts": [{"name": "metalboot-local", "context": {
+            "cluster": "metalboot-local", "user": "metalboot-admin", "namespace": "default"}}],
+        "current-context": "metalboot-local",
+    });
+    serde_json::from_value(value).map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))
+}
+
+/// Stops a detached control plane started in `data_dir`: exactly the recorded processes, and
+/// only while they still run our binaries (a recycled pid is left alone). Returns what it stopped.
+pub fn stop_detached(data_dir: &Path, bin_dir: &Path) -> Result<Vec<String>, ControlPlaneError> {
+    let path = data_dir.join(PIDS_FILE);
+    let text =
+        fs::read_to_string(&path).map_err(|_| ControlPlaneError::NothingToStop(path.clone()))?;
+    let mut stopped = Vec::new();
+    let mut pids = Vec::new();
+    for line in text.lines() {
+        let Some((name, pid)) = line.split_once(' ') else {
+            continue;
+        };
+        let Ok(pid) = pid.trim().parse::<i32>() else {
+            continue;
+        };
+        let want = fs::canonicalize(bin_dir.join(name)).ok();
+        let running = fs::read_link(format!("/proc/{pid}/exe")).ok();
+        if want.is_some() && running == want {
+            terminate(pid as u32);
+            pids.push(pid);
+            stopped.push(format!("{name} (pid {pid})"));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pids
+        .iter()
+        .any(|p| Path::new(&format!("/proc/{p}")).exists())
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for pid in &pids {
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            // SAFETY: kill(2) on a pid we started and verified above.
+            unsafe { libc::kill(*pid, libc::SIGKILL) };
+        }
+    }
+    let _ = fs::remove_file(&path);
+    Ok(stopped)
+}
+
+fn terminate(pid: u32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+}
+
+/// The last `n` lines of a log file, for error messages.
+pub fn tail(path: &Path, n: usize) -> String {
+    let Ok(file) = fs::File::open(path) else {
+        return format!("({} not readable)", path.display());
+    };
+    let lines: Vec<String> = io::BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
+
+/// PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process; test
+/// harnesses run every test on a short-lived thread. So tied children are forked from one thread
+/// that lives as long as the process.
+fn spawner() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
+    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("control-plane-spawner".into())
+            .spawn(move || {
+                for (mut command, reply) in rx {
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .map(|_| ())
+            .unwrap_or_else(
+                |e| tracing::error!(error = %e, "cannot start the control-plane spawner thread"),
+            );
+        Mutex::new(tx)
+    })
+}
+
+static TIED_PIDS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+static DIRS_TO_REMOVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+static AT_EXIT: Once = Once::new();
+
+extern "C" fn kill_tied_children_at_exit() {
+    if let Ok(pids) = TIED_PIDS.lock() {
+        for pid in pids.iter() {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+        if !pids.is_empty() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    if let Ok(dirs) = DIRS_TO_REMOVE.lock() {
+        for dir in dirs.iter() {
+            let _ = fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn register_at_exit() {
+    // SAFETY: registering a plain extern "C" function.
+    AT_EXIT.call_once(|| unsafe {
+        libc::atexit(kill_tied_children_at_exit);
+    });
+}
+
+/// Removes `dir` when this process exits, after the tied processes are killed.
+pub fn remove_at_exit(dir: &Path) {
+    register_at_exit();
+    if let Ok(mut dirs) = DIRS_TO_REMOVE.lock() {
+        dirs.push(dir.to_path_buf());
+    }
+}
+
+fn spawn(
+    name: &'static str,
+    mut command: Command,
+    log: &Path,
+    lifetime: Lifetime,
+) -> Result<Child, ControlPlaneError> {
+    let out = fs::File::create(log).map_err(io_err("creating log", log))?;
+    let err = out.try_clone().map_err(io_err("opening log", log))?;
+    command.stdin(Stdio::null()).stdout(out).stderr(err);
+    match lifetime {
+        Lifetime::TiedToThisProcess => {
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            register_at_exit();
+            let (tx, rx) = mpsc::channel();
+            let sent = spawner()
+                .lock()
+                .map(|s| s.send((command, tx)).is_ok())
+                .unwrap_or(false);
+            let child = if sent {
+                rx.recv().unwrap_or_else(|_| {
+                    Err(io::Error::other("control-plane spawner thread is gone"))
+                })
+            } else {
+                Err(io::Error::other("control-plane spawner thread is gone"))
+            }
+            .map_err(io_err("starting", Path::new(name)))?;
+            if let Ok(mut pids) = TIED_PIDS.lock() {
+                pids.push(child.id());
+            }
+            Ok(child)
+        }
+        Lifetime::Detached => {
+            // SAFETY: setsid is async-signal-safe.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::setsid();
+                    Ok(())
+                });
+            }
+            command.spawn().map_err(io_err("starting", Path::new(name)))
+        }
+    }
+}

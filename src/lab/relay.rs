@@ -1,0 +1,76 @@
+//! A plain-HTTP relay to the lab's apiserver, on loopback only. The lab OS's busybox `wget`
+//! cannot complete a TLS handshake with Go's TLS stack, so its kubelet stand-in talks plain HTTP
+//! to this relay (10.0.2.2 from the guest), which forwards over verified TLS. The relay adds no
+//! identity: the bearer token the guest got through its bootstrap data is what authorizes.
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+#[derive(Clone)]
+struct Relay {
+    client: reqwest::Client,
+    upstream: String,
+}
+
+/// Serves the relay on `listener`, forwarding to `upstream` (https) trusting `ca_pem`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    upstream: String,
+    ca_pem: &str,
+) -> Result<(), String> {
+    let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).map_err(|e| e.to_string())?;
+    let client = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(ca)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let app = Router::new()
+        .fallback(forward)
+        .with_state(Relay { client, upstream });
+    axum::serve(listener, app).await.map_err(|e| e.to_string())
+}
+
+async fn forward(State(relay): State<Relay>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, 4 << 20).await else {
+        return (StatusCode::PAYLOAD_TOO_LARGE, "request too large\n").into_response();
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let Ok(method) = reqwest::Method::from_bytes(parts.method.as_str().as_bytes()) else {
+        return (StatusCode::METHOD_NOT_ALLOWED, "method\n").into_response();
+    };
+    let mut upstream = relay
+        .client
+        .request(method, format!("{}{path}", relay.upstream))
+        .body(body);
+    for name in [header::AUTHORIZATION, header::CONTENT_TYPE, header::ACCEPT] {
+        if let Some(v) = parts.headers.get(&name).and_then(|v| v.to_str().ok()) {
+            upstream = upstream.header(name.as_str(), v);
+        }
+    }
+    match upstream.send().await {
+        Ok(reply) => {
+            let status =
+                StatusCode::from_u16(reply.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            let content_type = reply
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let bytes = reply.bytes().await.unwrap_or_else(|_| Bytes::new());
+            let mut response = (status, bytes).into_response();
+            if let Some(ct) = content_type.and_then(|c| HeaderValue::from_str(&c).ok()) {
+                response.headers_mut().insert(header::CONTENT_TYPE, ct);
+            }
+            response
+        }
+        Err(e) => (StatusCode::BAD_GATEWAY, format!("relay: {e}\n")).into_response(),
+    }
+}

@@ -1,0 +1,934 @@
+//! `metalboot lab up|serve|status|down`: the whole provisioning chain on one machine. `up` sets
+//! things up and starts `serve` in the background; `serve` owns the control plane, the manager,
+//! the virtual BMC and the QEMU hosts, and records state and timings under the lab directory;
+//! `status` reads them; `down` stops exactly the `serve` process `up` started (everything else
+//! dies with it).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::api::capi::Machine;
+use crate::api::{CLUSTER_NAME_LABEL, MetalHost};
+use crate::boot::http::BootEvent;
+use crate::controlplane::{self, ControlPlane, Lifetime};
+use crate::manager::ManagerOptions;
+
+use super::qemu::{Accel, QemuHost, QemuHostSpec, probe_accel};
+use super::vbmc::{self, VirtualBmc};
+
+pub const NAMESPACE: &str = "metalboot-lab";
+pub const CLUSTER: &str = "lab";
+const MANAGER: &str = "metalboot-lab";
+
+#[derive(Debug, Clone)]
+pub struct LabOptions {
+    pub hosts: u32,
+    pub dir: PathBuf,
+    pub memory_mib: u32,
+    /// Seconds a lab host may take from power-on to its callback before a power cycle.
+    pub boot_timeout_seconds: i32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("control plane: {0}")]
+    ControlPlane(#[from] controlplane::ControlPlaneError),
+    #[error("Kubernetes: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LabError {
+    let what = what.into();
+    move |source| LabError::Io { what, source }
+}
+
+/// What `serve` tells `up`, `status` and `down` (written once everything is started).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LabState {
+    pub pid: u32,
+    pub kubeconfig: PathBuf,
+    pub accel: String,
+    pub boot_url: String,
+    pub bmc_url: String,
+    pub hosts: Vec<LabHost>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LabHost {
+    pub name: String,
+    pub mac: String,
+    pub serial_log: PathBuf,
+}
+
+/// Live facts `serve` refreshes every second: power and QEMU pid per host.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HostLive {
+    pub power: String,
+    pub qemu_pid: Option<u32>,
+}
+
+/// Milestones per host (RFC 3339), for the timings table.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Timeline {
+    pub power_on: Option<String>,
+    pub script: Option<String>,
+    pub user_data: Option<String>,
+    pub callback: Option<String>,
+    pub running: Option<String>,
+}
+
+fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), LabError> {
+    let tmp = path.with_extension("tmp");
+    let text = serde_json::to_vec_pretty(value).map_err(|e| LabError::Setup(e.to_string()))?;
+    std::fs::write(&tmp, text).map_err(io(format!("writing {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(io(format!("writing {}", path.display())))
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+}
+
+fn mac_of(i: u32) -> String {
+    format!("52:54:00:6d:{:02x}:{:02x}", (i >> 8) & 0xff, i & 0xff)
+}
+
+fn free_port() -> Result<u16, LabError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(io("finding a free port"))
+}
+
+async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, kube::Error>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + Serialize
+        + for<'de> Deserialize<'de>
+        + std::fmt::Debug,
+{
+    api.patch(
+        &object.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(object),
+    )
+    .await
+}
+
+/// The lab daemon: everything runs in this process until SIGTERM/SIGINT.
+pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
+    let dir = opts.dir.clone();
+    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+    let image = dir.join("image");
+    for f in ["vmlinuz", "initrd.gz"] {
+        if !image.join(f).is_file() {
+            return Err(LabError::Setup(format!(
+                "lab image {} missing; run hack/lab-image/build.sh",
+                image.join(f).display()
+            )));
+        }
+    }
+    let cp = ControlPlane::start(&controlplane::Options {
+        bin_dir: controlplane::default_bin_dir(),
+        data_dir: dir.join("control-plane"),
+        lifetime: Lifetime::TiedToThisProcess,
+    })
+    .await?;
+    let client = cp.client().await?;
+    tracing::info!(server = %cp.server, "lab control plane ready");
+    crate::api::crdgen::install(&client).await?;
+    let accel = probe_accel(&dir.join("kvm-probe")).await;
+    tracing::info!(
+        accel = accel.name(),
+        "lab hosts run with {}",
+        if accel == Accel::Kvm {
+            "KVM"
+        } else {
+            "TCG (software emulation)"
+        }
+    );
+
+    let boot_port = free_port()?;
+    let boot_url = format!("http://10.0.2.2:{boot_port}");
+    let manager = crate::manager::start(
+        client.clone(),
+        ManagerOptions {
+            namespace: Some(NAMESPACE.into()),
+            boot_http: format!("127.0.0.1:{boot_port}")
+                .parse()
+                .map_err(|e| LabError::Setup(format!("{e}")))?,
+            advertise_url: Some(boot_url.clone()),
+            artifacts_dir: Some(image.clone()),
+            power_poll_interval: Duration::from_secs(15),
+            graceful_off: Duration::from_secs(5),
+            deprovision_timeout: Duration::from_secs(120),
+            bmc_timeout: Duration::from_secs(10),
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| LabError::Setup(e.to_string()))?;
+
+    let bmc_password = crate::boot::tokens::Token::mint().expose()[..24].to_string();
+    let hosts: Vec<Arc<QemuHost>> = (0..opts.hosts)
+        .map(|i| {
+            Arc::new(QemuHost::new(QemuHostSpec {
+                name: format!("lab-host-{i}"),
+                uuid: format!("6d62a1b0-0000-4000-8000-{i:012x}"),
+                mac: mac_of(i),
+                memory_mib: opts.memory_mib,
+                bootfile_url: format!("{boot_url}/boot.ipxe"),
+                dir: dir.join("hosts").join(format!("lab-host-{i}")),
+                accel,
+                graceful_seconds: 5,
+            }))
+        })
+        .collect();
+    for h in &hosts {
+        // A fresh serial log per lab run.
+        let _ = std::fs::create_dir_all(&h.spec.dir);
+        let _ = std::fs::remove_file(h.serial_log());
+    }
+    let bmc = Arc::new(VirtualBmc::new(
+        hosts.clone(),
+        "admin".into(),
+        bmc_password.clone(),
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(io("binding the lab BMC"))?;
+    let bmc_port = listener.local_addr().map_err(io("lab BMC address"))?.port();
+    let bmc_url = format!("redfish+http://127.0.0.1:{bmc_port}");
+    tokio::spawn(async move { axum::serve(listener, vbmc::router(bmc)).await });
+
+    let api_port = cp.server.rsplit(':').next().unwrap_or("6443").to_string();
+    // The lab OS reaches the apiserver through a loopback relay (see lab::relay).
+    let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(io("binding the apiserver relay"))?;
+    let relay_port = relay_listener
+        .local_addr()
+        .map_err(io("relay address"))?
+        .port();
+    let (upstream, ca) = (cp.server.clone(), cp.ca_pem.clone());
+    tokio::spawn(async move {
+        if let Err(e) = super::relay::serve(relay_listener, upstream, &ca).await {
+            tracing::error!(error = %e, "apiserver relay stopped");
+        }
+    });
+    create_objects(
+        &client,
+        &opts,
+        &cp,
+        &bmc_url,
+        &bmc_password,
+        &api_port,
+        relay_port,
+    )
+    .await?;
+
+    let state = LabState {
+        pid: std::process::id(),
+        kubeconfig: cp.kubeconfig_path.clone(),
+        accel: accel.name().into(),
+        boot_url,
+        bmc_url,
+        hosts: hosts
+            .iter()
+            .map(|h| LabHost {
+                name: h.spec.name.clone(),
+                mac: h.spec.mac.clone(),
+                serial_log: h.serial_log(),
+            })
+            .collect(),
+    };
+    write_json(&dir.join("state.json"), &state)?;
+    tracing::info!(hosts = opts.hosts, "lab objects created; provisioning");
+
+    // Timings: power-on from the hosts, boot milestones from the boot service, Running from Machines.
+    let mut events = manager.boot.subscribe();
+    let mut timelines: BTreeMap<String, Timeline> = BTreeMap::new();
+    let machines: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
+    let metal_machines: Api<crate::api::MetalMachine> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(io("SIGTERM handler"))?;
+    let stamp = || jiff::Timestamp::now().to_string();
+    loop {
+        tokio::select! {
+            _ = terminate.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+            event = events.recv() => {
+                if let Ok(event) = event {
+                    let (host, field) = match &event {
+                        BootEvent::ScriptServed { host, .. } => (host.clone(), "script"),
+                        BootEvent::NoCloud { host, document, .. } if document == "user-data" => (host.clone(), "user_data"),
+                        BootEvent::Callback { host, .. } => (host.clone(), "callback"),
+                        _ => continue,
+                    };
+                    let t = timelines.entry(host).or_default();
+                    let slot = match field { "script" => &mut t.script, "user_data" => &mut t.user_data, _ => &mut t.callback };
+                    if slot.is_none() { *slot = Some(stamp()); }
+                }
+            }
+            _ = tick.tick() => {
+                let mut live = BTreeMap::new();
+                for h in &hosts {
+                    let pid = h.pid().await;
+                    let power = if pid.is_some() { "On" } else { "Off" };
+                    if pid.is_some() {
+                        let t = timelines.entry(h.spec.name.clone()).or_default();
+                        if t.power_on.is_none() { t.power_on = Some(stamp()); }
+                    }
+                    live.insert(h.spec.name.clone(), HostLive { power: power.into(), qemu_pid: pid });
+                }
+                // Which host runs which Machine is the MetalMachine's claim, not the order.
+                let claims: BTreeMap<String, String> = metal_machines
+                    .list(&ListParams::default())
+                    .await
+                    .map(|l| l.items.into_iter().filter_map(|mm| Some((mm.name_any(), mm.status?.host_ref?.name))).collect())
+                    .unwrap_or_default();
+                if let Ok(list) = machines.list(&ListParams::default()).await {
+                    for m in list.items {
+                        let running = m.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+                        if let (true, Some(host)) = (running, claims.get(&m.spec.infrastructure_ref.name)) {
+                            let t = timelines.entry(host.clone()).or_default();
+                            if t.running.is_none() { t.running = Some(stamp()); }
+                        }
+                    }
+                }
+                let _ = write_json(&dir.join("hosts.json"), &live);
+                let _ = write_json(&dir.join("timings.json"), &timelines);
+            }
+        }
+    }
+    tracing::info!("lab shutting down");
+    for h in &hosts {
+        let _ = h.force_off().await;
+    }
+    drop(manager);
+    cp.stop();
+    let _ = std::fs::remove_file(dir.join("state.json"));
+    let _ = std::fs::remove_file(dir.join("lab.pid"));
+    Ok(())
+}
+
+async fn create_objects(
+    client: &kube::Client,
+    opts: &LabOptions,
+    cp: &ControlPlane,
+    bmc_url: &str,
+    bmc_password: &str,
+    api_port: &str,
+    relay_port: u16,
+) -> Result<(), LabError> {
+    let label = |pairs: &[(&str, &str)]| {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+        )
+    };
+    let meta = |name: &str| ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(NAMESPACE.into()),
+        ..Default::default()
+    };
+    apply(
+        &Api::<Namespace>::all(client.clone()),
+        &Namespace {
+            metadata: ObjectMeta {
+                name: Some(NAMESPACE.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
+    let secret =
+        |name: &str, labels: Option<BTreeMap<String, String>>, data: Vec<(&str, Vec<u8>)>| Secret {
+            metadata: ObjectMeta {
+                labels,
+                ..meta(name)
+            },
+            data: Some(
+                data.into_iter()
+                    .map(|(k, v)| (k.to_string(), ByteString(v)))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+    apply(
+        &secrets,
+        &secret(
+            "lab-bmc",
+            None,
+            vec![
+                ("username", b"admin".to_vec()),
+                ("password", bmc_password.as_bytes().to_vec()),
+            ],
+        ),
+    )
+    .await?;
+
+    // The kubelet stand-in's identity: a ServiceAccount allowed to register Nodes.
+    let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    apply(
+        &sa,
+        &ServiceAccount {
+            metadata: meta("lab-kubelet"),
+            ..Default::default()
+        },
+    )
+    .await?;
+    apply(
+        &Api::<ClusterRole>::all(client.clone()),
+        &ClusterRole {
+            metadata: ObjectMeta {
+                name: Some("metalboot-lab-kubelet".into()),
+                ..Default::default()
+            },
+            rules: Some(vec![
+                PolicyRule {
+                    api_groups: Some(vec!["".into()]),
+                    resources: Some(vec!["nodes".into()]),
+                    verbs: vec![
+                        "create".into(),
+                        "get".into(),
+                        "list".into(),
+                        "watch".into(),
+                        "patch".into(),
+                        "update".into(),
+                    ],
+                    ..Default::default()
+                },
+                PolicyRule {
+                    api_groups: Some(vec!["".into()]),
+                    resources: Some(vec!["nodes/status".into()]),
+                    verbs: vec!["patch".into(), "update".into()],
+                    ..Default::default()
+                },
+            ]),
+            ..Default::default()
+        },
+    )
+    .await?;
+    apply(
+        &Api::<ClusterRoleBinding>::all(client.clone()),
+        &ClusterRoleBinding {
+            metadata: ObjectMeta {
+                name: Some("metalboot-lab-kubelet".into()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                kind: "ClusterRole".into(),
+                name: "metalboot-lab-kubelet".into(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "ServiceAccount".into(),
+                name: "lab-kubelet".into(),
+                namespace: Some(NAMESPACE.into()),
+                ..Default::default()
+            }]),
+        },
+    )
+    .await?;
+    let token = sa
+        .create_token_request(
+            "lab-kubelet",
+            &Default::default(),
+            &TokenRequest {
+                spec: Some(TokenRequestSpec {
+                    expiration_seconds: Some(48 * 3600),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .await?
+        .status
+        .and_then(|s| s.token)
+        .ok_or_else(|| {
+            LabError::Setup("the apiserver issued no token for the lab kubelet".into())
+        })?;
+    let kubelet_env = format!("APISERVER=http://10.0.2.2:{relay_port}\nTOKEN={token}\n");
+    apply(
+        &secrets,
+        &secret(
+            "lab-kubelet",
+            None,
+            vec![("kubelet.env", kubelet_env.into_bytes())],
+        ),
+    )
+    .await?;
+
+    // The workload cluster is this same apiserver (as upstream's envtest does).
+    let kubeconfig =
+        serde_yaml::to_string(&cp.kubeconfig).map_err(|e| LabError::Setup(e.to_string()))?;
+    apply(
+        &secrets,
+        &secret(
+            "lab-kubeconfig",
+            label(&[(CLUSTER_NAME_LABEL, CLUSTER)]),
+            vec![("value", kubeconfig.into_bytes())],
+        ),
+    )
+    .await?;
+
+    let dynamic = |kind: &str, group: &str, version: &str, plural: &str| {
+        Api::<kube::api::DynamicObject>::namespaced_with(
+            client.clone(),
+            NAMESPACE,
+            &kube::core::ApiResource::from_gvk_with_plural(
+                &kube::core::GroupVersionKind::gvk(group, version, kind),
+                plural,
+            ),
+        )
+    };
+    let apply_json = async |api: &Api<kube::api::DynamicObject>,
+                            value: serde_json::Value|
+           -> Result<(), LabError> {
+        let obj: kube::api::DynamicObject =
+            serde_json::from_value(value).map_err(|e| LabError::Setup(e.to_string()))?;
+        api.patch(
+            &obj.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&obj),
+        )
+        .await?;
+        Ok(())
+    };
+    let hosts_api = dynamic(
+        "MetalHost",
+        "infrastructure.cluster.x-k8s.io",
+        "v1alpha1",
+        "metalhosts",
+    );
+    for i in 0..opts.hosts {
+        apply_json(&hosts_api, json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalHost",
+            "metadata": {"name": format!("lab-host-{i}"), "namespace": NAMESPACE,
+                "labels": {"metalboot.io/role": "worker", "metalboot.io/failure-domain": format!("rack-{}", i % 2)}},
+            "spec": {"bmc": {"address": format!("{bmc_url}/redfish/v1/Systems/lab-host-{i}"), "credentialsName": "lab-bmc"},
+                "bootMACAddress": mac_of(i), "bootMode": "Legacy", "online": true,
+                "description": format!("QEMU lab host {i}")},
+        })).await?;
+    }
+    apply_json(&dynamic("Cluster", "cluster.x-k8s.io", "v1beta2", "clusters"), json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+        "metadata": {"name": CLUSTER, "namespace": NAMESPACE},
+        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalCluster", "name": CLUSTER}},
+    })).await?;
+    apply_json(&dynamic("MetalCluster", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalclusters"), json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalCluster",
+        "metadata": {"name": CLUSTER, "namespace": NAMESPACE, "labels": {CLUSTER_NAME_LABEL: CLUSTER}},
+        "spec": {"controlPlaneEndpoint": {"host": "10.0.2.2", "port": api_port.parse::<i32>().unwrap_or(6443)}},
+    })).await?;
+    for i in 0..opts.hosts {
+        let name = format!("lab-{i}");
+        apply_json(
+            &dynamic(
+                "CloudInitConfig",
+                "bootstrap.cluster.x-k8s.io",
+                "v1alpha1",
+                "cloudinitconfigs",
+            ),
+            json!({
+                "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1", "kind": "CloudInitConfig",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {
+                    "files": [{"path": "/etc/metalboot/kubelet.env", "permissions": "0600",
+                        "contentFrom": {"secret": {"name": "lab-kubelet", "key": "kubelet.env"}}}],
+                    "commands": [format!("echo 'metalboot lab: bootstrapping {name}'")],
+                },
+            }),
+        )
+        .await?;
+        apply_json(&dynamic("MetalMachine", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalmachines"), json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"hostSelector": {"matchLabels": {"metalboot.io/role": "worker"}},
+                "boot": {"kernel": "vmlinuz", "initrds": ["initrd.gz"], "cmdline": "console=ttyS0 panic=10"},
+                "bootTimeoutSeconds": opts.boot_timeout_seconds, "bootRetries": 1},
+        })).await?;
+        apply_json(&dynamic("Machine", "cluster.x-k8s.io", "v1beta2", "machines"), json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"clusterName": CLUSTER, "version": "v1.36.3",
+                "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "CloudInitConfig", "name": name}},
+                "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachine", "name": name}},
+        })).await?;
+    }
+    Ok(())
+}
+
+/// One row per host of the live table.
+pub struct Row {
+    pub host: String,
+    pub power: String,
+    pub host_state: String,
+    pub machine: String,
+    pub phase: String,
+    pub detail: String,
+}
+
+pub async fn rows(dir: &Path) -> Result<(LabState, Vec<Row>), LabError> {
+    let state: LabState = read_json(&dir.join("state.json"))
+        .ok_or_else(|| LabError::Setup(format!("no lab running in {}", dir.display())))?;
+    let live: BTreeMap<String, HostLive> = read_json(&dir.join("hosts.json")).unwrap_or_default();
+    let kc = kube::config::Kubeconfig::read_from(&state.kubeconfig)
+        .map_err(|e| LabError::Setup(e.to_string()))?;
+    let client = controlplane::client_from_kubeconfig(kc).await?;
+    let hosts: Vec<MetalHost> = Api::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let machines: Vec<Machine> = Api::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let metal_machines: Vec<crate::api::MetalMachine> = Api::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let rows = state
+        .hosts
+        .iter()
+        .map(|h| {
+            let host = hosts.iter().find(|x| x.name_any() == h.name);
+            let claimed_by = metal_machines
+                .iter()
+                .find(|mm| {
+                    mm.status
+                        .as_ref()
+                        .and_then(|s| s.host_ref.as_ref())
+                        .is_some_and(|r| r.name == h.name)
+                })
+                .map(|mm| mm.name_any());
+            let machine = claimed_by.and_then(|mm| {
+                machines
+                    .iter()
+                    .find(|m| m.spec.infrastructure_ref.name == mm)
+            });
+            // The first condition that is not yet true says what the Machine waits for.
+            let condition_note = machine
+                .and_then(|m| m.status.as_ref())
+                .and_then(|s| {
+                    ["BootstrapConfigReady", "InfrastructureReady", "NodeReady"]
+                        .iter()
+                        .find_map(|t| {
+                            s.conditions
+                                .iter()
+                                .find(|c| c.type_ == *t && c.status != "True")
+                        })
+                })
+                .map(|c| c.message.clone())
+                .unwrap_or_default();
+            Row {
+                host: h.name.clone(),
+                power: live
+                    .get(&h.name)
+                    .map(|l| l.power.clone())
+                    .unwrap_or_else(|| "?".into()),
+                host_state: host
+                    .and_then(|x| x.status.as_ref()?.state)
+                    .map(|s| format!("{s:?}"))
+                    .unwrap_or_else(|| "-".into()),
+                machine: machine.map(|m| m.name_any()).unwrap_or_else(|| "-".into()),
+                phase: machine
+                    .and_then(|m| m.status.as_ref()?.phase.clone())
+                    .unwrap_or_else(|| "-".into()),
+                detail: condition_note,
+            }
+        })
+        .collect();
+    Ok((state, rows))
+}
+
+pub fn render_table(rows: &[Row], elapsed: Option<Duration>) -> String {
+    let mut out = format!(
+        "{:<12} {:<6} {:<14} {:<10} {:<12} {}\n",
+        "HOST", "POWER", "METALHOST", "MACHINE", "PHASE", "DETAIL"
+    );
+    for r in rows {
+        let detail: String = r.detail.chars().take(70).collect();
+        out.push_str(&format!(
+            "{:<12} {:<6} {:<14} {:<10} {:<12} {}\n",
+            r.host, r.power, r.host_state, r.machine, r.phase, detail
+        ));
+    }
+    if let Some(e) = elapsed {
+        out.push_str(&format!("elapsed {:.0}s\n", e.as_secs_f64()));
+    }
+    out
+}
+
+fn seconds_between(a: &Option<String>, b: &Option<String>) -> Option<f64> {
+    let a: jiff::Timestamp = a.as_ref()?.parse().ok()?;
+    let b: jiff::Timestamp = b.as_ref()?.parse().ok()?;
+    Some(b.duration_since(a).as_secs_f64())
+}
+
+pub fn render_timings(timings: &BTreeMap<String, Timeline>) -> String {
+    let mut out = format!(
+        "{:<12} {:>16} {:>14} {:>13} {:>12} {:>8}\n",
+        "HOST", "power→script", "→user-data", "→callback", "→Running", "total"
+    );
+    let cell = |v: Option<f64>| v.map(|s| format!("{s:.1}s")).unwrap_or_else(|| "-".into());
+    for (host, t) in timings {
+        out.push_str(&format!(
+            "{:<12} {:>16} {:>14} {:>13} {:>12} {:>8}\n",
+            host,
+            cell(seconds_between(&t.power_on, &t.script)),
+            cell(seconds_between(&t.script, &t.user_data)),
+            cell(seconds_between(&t.user_data, &t.callback)),
+            cell(seconds_between(&t.callback, &t.running)),
+            cell(seconds_between(&t.power_on, &t.running)),
+        ));
+    }
+    out
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false)
+}
+
+fn tail(path: &Path, n: usize) -> String {
+    controlplane::tail(path, n)
+}
+
+/// Sets up, starts `serve` in the background and shows the table until every Machine is Running.
+pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
+    let project = controlplane::project_dir();
+    for script in [
+        "hack/install-deps.sh",
+        "hack/control-plane/build.sh",
+        "hack/lab-image/build.sh",
+    ] {
+        let status = std::process::Command::new(project.join(script))
+            .env("LAB_IMAGE_DIR", opts.dir.join("image"))
+            .status()
+            .map_err(io(format!("running {script}")))?;
+        if !status.success() {
+            return Err(LabError::Setup(format!("{script} failed")));
+        }
+    }
+    std::fs::create_dir_all(&opts.dir).map_err(io(format!("creating {}", opts.dir.display())))?;
+    let pid_file = opts.dir.join("lab.pid");
+    if let Some(pid) = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        && pid_alive(pid)
+    {
+        return Err(LabError::Setup(format!(
+            "a lab is already running (pid {pid}); `metalboot lab down` first"
+        )));
+    }
+    let _ = std::fs::remove_file(opts.dir.join("state.json"));
+    let _ = std::fs::remove_file(opts.dir.join("timings.json"));
+    let log = std::fs::File::create(opts.dir.join("lab.log")).map_err(io("creating lab.log"))?;
+    let exe = std::env::current_exe().map_err(io("locating the metalboot binary"))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args([
+        "lab",
+        "serve",
+        "--hosts",
+        &opts.hosts.to_string(),
+        "--memory-mib",
+        &opts.memory_mib.to_string(),
+    ])
+    .args([
+        "--boot-timeout-seconds",
+        &opts.boot_timeout_seconds.to_string(),
+    ])
+    .arg("--dir")
+    .arg(&opts.dir)
+    .stdin(std::process::Stdio::null())
+    .stdout(log.try_clone().map_err(io("lab.log"))?)
+    .stderr(log);
+    // SAFETY: setsid is async-signal-safe; the daemon leaves our session and terminal.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(io("starting the lab daemon"))?;
+    std::fs::write(&pid_file, child.id().to_string()).map_err(io("writing lab.pid"))?;
+    println!(
+        "lab: daemon pid {} (log {})",
+        child.id(),
+        opts.dir.join("lab.log").display()
+    );
+
+    let started = Instant::now();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let mut last = String::new();
+    loop {
+        if !pid_alive(child.id()) {
+            return Err(LabError::Setup(format!(
+                "the lab daemon exited; last lines of its log:\n{}",
+                tail(&opts.dir.join("lab.log"), 25)
+            )));
+        }
+        if let Ok((state, rows)) = rows(&opts.dir).await {
+            let table = render_table(&rows, None);
+            if table != last || tty {
+                if tty {
+                    print!("\x1b[2J\x1b[H");
+                }
+                print!("{}", render_table(&rows, Some(started.elapsed())));
+                last = table;
+            }
+            if rows.len() == opts.hosts as usize && rows.iter().all(|r| r.phase == "Running") {
+                // The daemon records Running on its next one-second tick; give it a few.
+                let mut timings: BTreeMap<String, Timeline> = BTreeMap::new();
+                for _ in 0..5 {
+                    timings = read_json(&opts.dir.join("timings.json")).unwrap_or_default();
+                    if timings.len() >= rows.len() && timings.values().all(|t| t.running.is_some())
+                    {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                println!(
+                    "\nall {} Machines Running after {:.0}s (hosts under {})\n",
+                    rows.len(),
+                    started.elapsed().as_secs_f64(),
+                    state.accel.to_uppercase()
+                );
+                print!("{}", render_timings(&timings));
+                println!(
+                    "\nThe lab keeps running: KUBECONFIG={} kubectl get metalhosts,metalmachines,machines -n {NAMESPACE}",
+                    state.kubeconfig.display()
+                );
+                println!(
+                    "`metalboot lab status` shows this table again; `metalboot lab down` stops the lab."
+                );
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                for h in &state.hosts {
+                    println!(
+                        "--- {} serial console (last lines):\n{}",
+                        h.name,
+                        tail(&h.serial_log, 15)
+                    );
+                }
+                return Err(LabError::Setup(format!(
+                    "not every Machine reached Running within {}s (the lab keeps running for inspection)",
+                    timeout.as_secs()
+                )));
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+pub async fn status(dir: &Path) -> Result<(), LabError> {
+    let (state, rows) = rows(dir).await?;
+    print!("{}", render_table(&rows, None));
+    let timings: BTreeMap<String, Timeline> =
+        read_json(&dir.join("timings.json")).unwrap_or_default();
+    println!();
+    print!("{}", render_timings(&timings));
+    println!(
+        "\nhosts run under {}; KUBECONFIG={}",
+        state.accel.to_uppercase(),
+        state.kubeconfig.display()
+    );
+    Ok(())
+}
+
+/// Stops the daemon `up` started (and so everything it runs).
+pub fn down(dir: &Path) -> Result<(), LabError> {
+    let pid_file = dir.join("lab.pid");
+    let Some(pid) = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+    else {
+        println!("no lab running in {}", dir.display());
+        return Ok(());
+    };
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    if !pid_alive(pid) || !String::from_utf8_lossy(&cmdline).contains("serve") {
+        println!("lab daemon (pid {pid}) is not running");
+        let _ = std::fs::remove_file(&pid_file);
+        return Ok(());
+    }
+    // SAFETY: kill(2) on the pid we recorded and just verified.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pid_alive(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    if pid_alive(pid) {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let _ = std::fs::remove_file(&pid_file);
+    println!("lab stopped (daemon pid {pid})");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lab_macs_are_distinct_and_local() {
+        assert_eq!(mac_of(0), "52:54:00:6d:00:00");
+        assert_eq!(mac_of(1), "52:54:00:6d:00:01");
+        assert_eq!(mac_of(300), "52:54:00:6d:01:2c");
+    }
+
+    #[test]
+    fn timings_are_differences_between_milestones() {
+        let t = Timeline {
+            power_on: Some("2026-11-22T10:00:00Z".into()),
+            script: Some("2026-11-22T10:00:12.5Z".into()),
+            user_data: Some("2026-11-22T10:00:20Z".into()),
+            callback: Some("2026-11-22T10:00:21Z".into()),
+            running: None,
+        };
+        let table = render_timings(&BTreeMap::from([("lab-host-0".to_string(), t)]));
+        assert!(
+            table.contains("12.5s") && table.contains("7.5s") && table.contains("1.0s"),
+            "{table}"
+        );
+        assert!(
+            table
+                .lines()
+                .nth(1)
+                .is_some_and(|l| l.trim_end().ends_with('-')),
+            "{table}"
+        );
+    }
+}

@@ -1,0 +1,392 @@
+//! The lab's virtual BMC: one Redfish service with one System per QEMU lab host. It speaks the
+//! Redfish subset metalboot's driver uses (service root, sessions and basic auth, systems,
+//! reset with allowed values, one-time boot override, Ethernet interfaces) — the same suite the
+//! driver passes against sushy-tools runs against it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine;
+use serde_json::{Value, json};
+
+use crate::api::metalhost::PowerState;
+
+use super::qemu::{BootOverride, QemuHost};
+
+pub struct VirtualBmc {
+    pub systems: BTreeMap<String, Arc<QemuHost>>,
+    username: String,
+    password: String,
+    sessions: Mutex<HashMap<String, String>>,
+}
+
+impl VirtualBmc {
+    pub fn new(hosts: Vec<Arc<QemuHost>>, username: String, password: String) -> Self {
+        VirtualBmc {
+            systems: hosts
+                .into_iter()
+                .map(|h| (h.spec.name.clone(), h))
+                .collect(),
+            username,
+            password,
+            sessions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        if let Some(token) = headers.get("X-Auth-Token").and_then(|v| v.to_str().ok()) {
+            return self
+                .sessions
+                .lock()
+                .map(|s| s.contains_key(token))
+                .unwrap_or(false);
+        }
+        let Some(basic) = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Basic "))
+        else {
+            return false;
+        };
+        let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(basic.trim()) else {
+            return false;
+        };
+        let expected = format!("{}:{}", self.username, self.password);
+        constant_time_eq(&decoded, expected.as_bytes())
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A Redfish error body.
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = json!({"error": {
+        "code": "Base.1.8.GeneralError",
+        "message": message,
+        "@Message.ExtendedInfo": [{"MessageId": "Base.1.8.GeneralError", "Message": message}],
+    }});
+    (status, axum::Json(body)).into_response()
+}
+
+pub fn router(bmc: Arc<VirtualBmc>) -> Router {
+    let protected = Router::new()
+        .route("/redfish/v1/SessionService", get(session_service))
+        .route(
+            "/redfish/v1/SessionService/Sessions/{id}",
+            get(session).delete(logout),
+        )
+        .route("/redfish/v1/Systems", get(systems))
+        .route("/redfish/v1/Systems/{id}", get(system).patch(patch_system))
+        .route(
+            "/redfish/v1/Systems/{id}/Actions/ComputerSystem.Reset",
+            post(reset),
+        )
+        .route("/redfish/v1/Systems/{id}/EthernetInterfaces", get(nics))
+        .route(
+            "/redfish/v1/Systems/{id}/EthernetInterfaces/{nic}",
+            get(nic),
+        )
+        .layer(middleware::from_fn_with_state(bmc.clone(), require_auth));
+    Router::new()
+        .route("/redfish/v1", get(root))
+        .route("/redfish/v1/", get(root))
+        .route(
+            "/redfish/v1/SessionService/Sessions",
+            post(login).get(list_sessions),
+        )
+        .merge(protected)
+        .with_state(bmc)
+}
+
+async fn require_auth(
+    State(bmc): State<Arc<VirtualBmc>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if bmc.authorized(request.headers()) {
+        next.run(request).await
+    } else {
+        let mut r = error(StatusCode::UNAUTHORIZED, "authentication required");
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"metalboot-lab\""),
+        );
+        r
+    }
+}
+
+async fn root() -> Response {
+    axum::Json(json!({
+        "@odata.id": "/redfish/v1/",
+        "@odata.type": "#ServiceRoot.v1_11_0.ServiceRoot",
+        "Id": "RootService",
+        "Name": "metalboot lab BMC",
+        "RedfishVersion": "1.15.0",
+        "Systems": {"@odata.id": "/redfish/v1/Systems"},
+        "SessionService": {"@odata.id": "/redfish/v1/SessionService"},
+        "Links": {"Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"}},
+    }))
+    .into_response()
+}
+
+async fn session_service() -> Response {
+    axum::Json(json!({
+        "@odata.id": "/redfish/v1/SessionService",
+        "Id": "SessionService",
+        "ServiceEnabled": true,
+        "Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"},
+    }))
+    .into_response()
+}
+
+async fn login(State(bmc): State<Arc<VirtualBmc>>, body: axum::body::Bytes) -> Response {
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "malformed JSON");
+    };
+    let user = v
+        .get("UserName")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let pass = v
+        .get("Password")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if !(constant_time_eq(user.as_bytes(), bmc.username.as_bytes())
+        && constant_time_eq(pass.as_bytes(), bmc.password.as_bytes()))
+    {
+        return error(StatusCode::UNAUTHORIZED, "invalid credentials");
+    }
+    let token = crate::boot::tokens::Token::mint().expose().to_string();
+    let id = format!("{:08x}", rand::random::<u32>());
+    if let Ok(mut sessions) = bmc.sessions.lock() {
+        sessions.insert(token.clone(), id.clone());
+    }
+    let location = format!("/redfish/v1/SessionService/Sessions/{id}");
+    let mut r = (
+        StatusCode::CREATED,
+        axum::Json(json!({"@odata.id": location, "Id": id, "UserName": user})),
+    )
+        .into_response();
+    if let (Ok(t), Ok(l)) = (
+        HeaderValue::from_str(&token),
+        HeaderValue::from_str(&location),
+    ) {
+        r.headers_mut().insert("X-Auth-Token", t);
+        r.headers_mut().insert(header::LOCATION, l);
+    }
+    r
+}
+
+async fn list_sessions(State(bmc): State<Arc<VirtualBmc>>, headers: HeaderMap) -> Response {
+    if !bmc.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "authentication required");
+    }
+    let members: Vec<Value> = bmc
+        .sessions
+        .lock()
+        .map(|s| {
+            s.values()
+                .map(|id| json!({"@odata.id": format!("/redfish/v1/SessionService/Sessions/{id}")}))
+                .collect()
+        })
+        .unwrap_or_default();
+    axum::Json(json!({"Members@odata.count": members.len(), "Members": members})).into_response()
+}
+
+async fn session(Path(id): Path<String>) -> Response {
+    axum::Json(json!({"@odata.id": format!("/redfish/v1/SessionService/Sessions/{id}"), "Id": id}))
+        .into_response()
+}
+
+async fn logout(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
+    let removed = bmc
+        .sessions
+        .lock()
+        .map(|mut s| {
+            let before = s.len();
+            s.retain(|_, v| *v != id);
+            before != s.len()
+        })
+        .unwrap_or(false);
+    if removed {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        error(StatusCode::NOT_FOUND, "no such session")
+    }
+}
+
+async fn systems(State(bmc): State<Arc<VirtualBmc>>) -> Response {
+    let members: Vec<Value> = bmc
+        .systems
+        .keys()
+        .map(|id| json!({"@odata.id": format!("/redfish/v1/Systems/{id}")}))
+        .collect();
+    axum::Json(json!({"@odata.id": "/redfish/v1/Systems", "Members@odata.count": members.len(), "Members": members})).into_response()
+}
+
+fn host(bmc: &VirtualBmc, id: &str) -> Option<Arc<QemuHost>> {
+    bmc.systems.get(id).cloned()
+}
+
+fn no_system(id: &str) -> Response {
+    error(StatusCode::NOT_FOUND, &format!("no system {id}"))
+}
+
+const RESET_TYPES: [&str; 5] = [
+    "On",
+    "ForceOff",
+    "GracefulShutdown",
+    "ForceRestart",
+    "PowerCycle",
+];
+const BOOT_TARGETS: [&str; 4] = ["None", "Pxe", "Hdd", "Cd"];
+
+async fn system(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
+    let Some(h) = host(&bmc, &id) else {
+        return no_system(&id);
+    };
+    let power = match h.power_state().await {
+        PowerState::On => "On",
+        PowerState::Off => "Off",
+        PowerState::PoweringOn => "PoweringOn",
+        PowerState::PoweringOff => "PoweringOff",
+        PowerState::Unknown => "Unknown",
+    };
+    let boot = h.boot_override().await;
+    axum::Json(json!({
+        "@odata.id": format!("/redfish/v1/Systems/{id}"),
+        "@odata.type": "#ComputerSystem.v1_20_0.ComputerSystem",
+        "Id": id,
+        "Name": id,
+        "Manufacturer": "metalboot lab",
+        "Model": "QEMU pc (virtual BMC)",
+        "SerialNumber": format!("LAB-{}", h.spec.uuid.split('-').next().unwrap_or_default()),
+        "UUID": h.spec.uuid,
+        "BiosVersion": "SeaBIOS (QEMU)",
+        "PowerState": power,
+        "Boot": {
+            "BootSourceOverrideTarget": boot.target,
+            "BootSourceOverrideEnabled": boot.enabled,
+            "BootSourceOverrideMode": boot.mode,
+            "BootSourceOverrideTarget@Redfish.AllowableValues": BOOT_TARGETS,
+        },
+        "EthernetInterfaces": {"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces")},
+        "Actions": {"#ComputerSystem.Reset": {
+            "target": format!("/redfish/v1/Systems/{id}/Actions/ComputerSystem.Reset"),
+            "ResetType@Redfish.AllowableValues": RESET_TYPES,
+        }},
+    }))
+    .into_response()
+}
+
+async fn patch_system(
+    State(bmc): State<Arc<VirtualBmc>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let Some(h) = host(&bmc, &id) else {
+        return no_system(&id);
+    };
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "malformed JSON");
+    };
+    let Some(boot) = v.get("Boot") else {
+        return error(StatusCode::BAD_REQUEST, "only Boot can be changed");
+    };
+    let mut current = h.boot_override().await;
+    if let Some(t) = boot.get("BootSourceOverrideTarget").and_then(Value::as_str) {
+        if !BOOT_TARGETS.contains(&t) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("BootSourceOverrideTarget {t} is not supported"),
+            );
+        }
+        current.target = t.to_string();
+    }
+    if let Some(e) = boot
+        .get("BootSourceOverrideEnabled")
+        .and_then(Value::as_str)
+    {
+        if !["Once", "Continuous", "Disabled"].contains(&e) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("BootSourceOverrideEnabled {e} is not supported"),
+            );
+        }
+        current.enabled = e.to_string();
+    }
+    if let Some(m) = boot.get("BootSourceOverrideMode").and_then(Value::as_str) {
+        if m != "Legacy" && m != "UEFI" {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("BootSourceOverrideMode {m} is not supported"),
+            );
+        }
+        current.mode = m.to_string();
+    }
+    h.set_boot_override(BootOverride { ..current }).await;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn reset(
+    State(bmc): State<Arc<VirtualBmc>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let Some(h) = host(&bmc, &id) else {
+        return no_system(&id);
+    };
+    let reset_type = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.get("ResetType")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    let result = match reset_type.as_str() {
+        "On" => h.power_on().await,
+        "ForceOff" => h.force_off().await,
+        "GracefulShutdown" => h.graceful_off().await,
+        "ForceRestart" => h.reset().await,
+        "PowerCycle" => h.power_cycle().await,
+        other => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("ResetType {other:?} is not one of {RESET_TYPES:?}"),
+            );
+        }
+    };
+    match result {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+async fn nics(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
+    if host(&bmc, &id).is_none() {
+        return no_system(&id);
+    }
+    axum::Json(json!({"Members@odata.count": 1, "Members": [{"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0")}]})).into_response()
+}
+
+async fn nic(
+    State(bmc): State<Arc<VirtualBmc>>,
+    Path((id, nic)): Path<(String, String)>,
+) -> Response {
+    let Some(h) = host(&bmc, &id) else {
+        return no_system(&id);
+    };
+    if nic != "nic0" {
+        return error(StatusCode::NOT_FOUND, &format!("no interface {nic}"));
+    }
+    axum::Json(json!({"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0"), "Id": "nic0", "MACAddress": h.spec.mac})).into_response()
+}

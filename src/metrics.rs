@@ -1,0 +1,197 @@
+//! Prometheus metrics, process-wide (one manager per process): boot service traffic, callbacks,
+//! TFTP transfers, BMC errors by kind, hosts per state, and provisioning durations per phase.
+//! Served as text at `/metrics` on the boot service's HTTP port.
+
+use std::sync::OnceLock;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub http_requests: Family<Labels, Counter>,
+    pub http_bytes: Family<Labels, Counter>,
+    pub callbacks: Family<Labels, Counter>,
+    pub tftp_transfers: Family<Labels, Counter>,
+    pub bmc_errors: Family<Labels, Counter>,
+    pub hosts: Family<Labels, Gauge>,
+    pub provisioning_seconds: Family<Labels, Histogram>,
+}
+
+fn histogram() -> Histogram {
+    // 1 s … ~68 min: firmware + OS boots are seconds to tens of minutes.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1.0, 2.0, 13,
+    ))
+}
+
+pub fn metrics() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(|| {
+        let mut registry = Registry::with_prefix("metalboot");
+        let m = Metrics {
+            http_requests: Family::default(),
+            http_bytes: Family::default(),
+            callbacks: Family::default(),
+            tftp_transfers: Family::default(),
+            bmc_errors: Family::default(),
+            hosts: Family::default(),
+            provisioning_seconds: Family::new_with_constructor(histogram),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "boot_http_requests",
+            "Boot service HTTP requests by route and status",
+            m.http_requests.clone(),
+        );
+        registry.register(
+            "boot_http_bytes",
+            "Bytes sent by the boot service, by route",
+            m.http_bytes.clone(),
+        );
+        registry.register(
+            "boot_callbacks",
+            "Bootstrap-success callbacks by result",
+            m.callbacks.clone(),
+        );
+        registry.register(
+            "boot_tftp_transfers",
+            "TFTP transfers by file and result",
+            m.tftp_transfers.clone(),
+        );
+        registry.register("bmc_errors", "BMC errors by reason", m.bmc_errors.clone());
+        registry.register("hosts", "MetalHosts by state", m.hosts.clone());
+        registry.register(
+            "provisioning_phase_seconds",
+            "Seconds spent in each provisioning phase (claim, boot, total)",
+            m.provisioning_seconds.clone(),
+        );
+        Metrics { registry, ..m }
+    })
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The route template of a boot-service path (bounded label values: never a MAC or token).
+pub fn route_of(path: &str) -> &'static str {
+    let first = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    match first {
+        "boot.ipxe" => "/boot.ipxe",
+        "ipxe" => "/ipxe",
+        "nocloud" => "/nocloud",
+        "callback" => "/callback",
+        "artifacts" => "/artifacts",
+        "healthz" | "readyz" => "/health",
+        "metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+pub fn record_http(path: &str, status: u16, bytes: Option<u64>) {
+    let m = metrics();
+    let route = route_of(path);
+    m.http_requests
+        .get_or_create(&labels(&[
+            ("route", route),
+            ("status", &status.to_string()),
+        ]))
+        .inc();
+    if let Some(b) = bytes {
+        m.http_bytes
+            .get_or_create(&labels(&[("route", route)]))
+            .inc_by(b);
+    }
+}
+
+pub fn record_callback(result: &str) {
+    metrics()
+        .callbacks
+        .get_or_create(&labels(&[("result", result)]))
+        .inc();
+}
+
+pub fn record_tftp(file: &str, result: &str) {
+    metrics()
+        .tftp_transfers
+        .get_or_create(&labels(&[("file", file), ("result", result)]))
+        .inc();
+}
+
+pub fn record_bmc_error(reason: &str) {
+    metrics()
+        .bmc_errors
+        .get_or_create(&labels(&[("reason", reason)]))
+        .inc();
+}
+
+pub fn observe_phase(phase: &str, seconds: f64) {
+    metrics()
+        .provisioning_seconds
+        .get_or_create(&labels(&[("phase", phase)]))
+        .observe(seconds);
+}
+
+/// Sets the hosts-per-state gauge from a full count (every known state, zeros included).
+pub fn set_hosts(counts: &[(&str, i64)]) {
+    for (state, n) in counts {
+        metrics()
+            .hosts
+            .get_or_create(&labels(&[("state", state)]))
+            .set(*n);
+    }
+}
+
+/// The text exposition of every metric.
+pub fn render() -> String {
+    let mut out = String::new();
+    if encode(&mut out, &metrics().registry).is_err() {
+        out.clear();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_have_bounded_labels() {
+        assert_eq!(route_of("/ipxe/52-54-00-00-00-01"), "/ipxe");
+        assert_eq!(route_of("/nocloud/deadbeef/user-data"), "/nocloud");
+        assert_eq!(route_of("/callback/deadbeef"), "/callback");
+        assert_eq!(route_of("/artifacts/vmlinuz"), "/artifacts");
+        assert_eq!(route_of("/wp-admin"), "other");
+    }
+
+    #[test]
+    fn recorded_values_are_rendered() {
+        record_http("/ipxe/52-54-00-00-00-01", 200, Some(321));
+        record_callback("accepted");
+        observe_phase("boot", 12.5);
+        let text = render();
+        assert!(
+            text.contains("metalboot_boot_http_requests_total{route=\"/ipxe\",status=\"200\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("metalboot_boot_callbacks_total{result=\"accepted\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("metalboot_provisioning_phase_seconds_count{phase=\"boot\"}"),
+            "{text}"
+        );
+        assert!(!text.contains("52-54-00"), "no MACs in labels");
+    }
+}

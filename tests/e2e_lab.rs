@@ -1,0 +1,252 @@
+//! The lab end to end, as `make lab` runs it: `metalboot lab up --hosts 2` under TCG provisions two
+//! QEMU hosts through the virtual BMC, the boot service and the standalone controllers; deleting a
+//! Machine powers its host off and frees it; `lab down` leaves nothing running.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Secret};
+use kube::api::{Api, DeleteParams, ListParams};
+use metalboot::api::capi::Machine;
+use metalboot::api::metalhost::HostState;
+use metalboot::api::{CloudInitConfig, MetalHost, MetalMachine};
+use metalboot::lab::up::{HostLive, LabState, NAMESPACE};
+
+fn metalboot(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_metalboot"))
+        .args(args)
+        .output()
+        .expect("run metalboot")
+}
+
+fn read_json<T: for<'de> serde::Deserialize<'de>>(path: &Path) -> T {
+    serde_json::from_slice(
+        &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .expect("json")
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+async fn eventually<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {secs}s waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Runs `lab down` however the test ends, so a failed assertion leaves no QEMU or apiserver behind.
+struct LabDownOnDrop(String);
+
+impl Drop for LabDownOnDrop {
+    fn drop(&mut self) {
+        let _ = metalboot(&["lab", "down", "--dir", &self.0]);
+    }
+}
+
+#[tokio::test]
+async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
+    let dir: PathBuf = metalboot::controlplane::project_dir()
+        .join(format!("target/e2e-lab-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.to_str().expect("utf-8 path").to_string();
+    let _lab_down = LabDownOnDrop(dir_s.clone());
+    // Generous for TCG on a busy 2-core machine; lower it to see a broken chain fail sooner.
+    let timeout = std::env::var("METALBOOT_E2E_TIMEOUT_SECONDS").unwrap_or_else(|_| "480".into());
+    let up = metalboot(&[
+        "lab",
+        "up",
+        "--hosts",
+        "2",
+        "--dir",
+        &dir_s,
+        "--timeout-seconds",
+        &timeout,
+        "--boot-timeout-seconds",
+        "300",
+    ]);
+    let stdout = String::from_utf8_lossy(&up.stdout).into_owned();
+    if !up.status.success() {
+        panic!(
+            "lab up failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+    }
+    println!("{stdout}");
+    assert!(stdout.contains("all 2 Machines Running"), "{stdout}");
+    assert!(
+        stdout.contains("power→script"),
+        "timings table printed: {stdout}"
+    );
+
+    let state: LabState = read_json(&dir.join("state.json"));
+    let kubeconfig = kube::config::Kubeconfig::read_from(&state.kubeconfig).expect("kubeconfig");
+    let client = metalboot::controlplane::client_from_kubeconfig(kubeconfig)
+        .await
+        .expect("client");
+    let machines: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
+    let nodes: Api<Node> = Api::all(client.clone());
+    for m in machines
+        .list(&ListParams::default())
+        .await
+        .expect("machines")
+        .items
+    {
+        let status = m.status.clone().expect("status");
+        assert_eq!(status.phase.as_deref(), Some("Running"));
+        let provider_id = m.spec.provider_id.clone().expect("providerID");
+        assert!(provider_id.starts_with("metalboot://"), "{provider_id}");
+        let node = nodes
+            .get(&status.node_ref.expect("nodeRef").name)
+            .await
+            .expect("Node");
+        assert_eq!(
+            node.spec.and_then(|s| s.provider_id).as_deref(),
+            Some(provider_id.as_str()),
+            "Node and Machine agree"
+        );
+        // The host ran exactly the bootstrap data: its serial console shows the bootstrap command.
+        let config: Api<CloudInitConfig> = Api::namespaced(client.clone(), NAMESPACE);
+        let secret_name = config
+            .get(&m.metadata.name.clone().unwrap_or_default())
+            .await
+            .expect("config")
+            .status
+            .and_then(|s| s.data_secret_name)
+            .expect("dataSecretName");
+        let bootstrap = Api::<Secret>::namespaced(client.clone(), NAMESPACE)
+            .get(&secret_name)
+            .await
+            .expect("bootstrap Secret");
+        assert!(
+            bootstrap
+                .data
+                .and_then(|d| d.get("value").cloned())
+                .is_some_and(
+                    |v| String::from_utf8_lossy(&v.0).contains("bootstrap-success.complete")
+                )
+        );
+    }
+    // Which host runs which Machine is decided by the claim, not by the order of creation.
+    let metal_machines: Api<MetalMachine> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut machine_of_host = std::collections::BTreeMap::new();
+    for m in machines
+        .list(&ListParams::default())
+        .await
+        .expect("machines")
+        .items
+    {
+        let mm = metal_machines
+            .get(&m.spec.infrastructure_ref.name)
+            .await
+            .expect("MetalMachine");
+        let host = mm.status.and_then(|s| s.host_ref).expect("hostRef").name;
+        machine_of_host.insert(host, m.metadata.name.clone().unwrap_or_default());
+    }
+    assert_eq!(
+        machine_of_host.len(),
+        state.hosts.len(),
+        "one Machine per host: {machine_of_host:?}"
+    );
+    for host in &state.hosts {
+        let serial = std::fs::read_to_string(&host.serial_log).unwrap_or_default();
+        let machine = &machine_of_host[&host.name];
+        assert!(
+            serial.contains(&format!("metalboot lab: bootstrapping {machine}")),
+            "{}: user-data ran:\n{serial}",
+            host.name
+        );
+        assert!(
+            serial.contains("reported bootstrap success")
+                || serial.contains("bootstrap sentinel present"),
+            "{}: {serial}",
+            host.name
+        );
+    }
+
+    // Delete one Machine: its host powers off within seconds and becomes Available; its Node goes.
+    let victim = &state.hosts[1];
+    let victim_machine = &machine_of_host[&victim.name];
+    let live: std::collections::BTreeMap<String, HostLive> = read_json(&dir.join("hosts.json"));
+    let qemu_pid = live
+        .get(&victim.name)
+        .and_then(|l| l.qemu_pid)
+        .expect("QEMU pid of the victim");
+    let node_name = machines
+        .get(victim_machine)
+        .await
+        .expect("machine")
+        .status
+        .and_then(|s| s.node_ref)
+        .map(|n| n.name)
+        .expect("nodeRef");
+    machines
+        .delete(victim_machine, &DeleteParams::default())
+        .await
+        .expect("delete Machine");
+    let deleted_at = Instant::now();
+    eventually("the victim's QEMU process stopped", 120, || async {
+        (!alive(qemu_pid)).then_some(())
+    })
+    .await;
+    println!(
+        "QEMU of {} stopped {:.1}s after the Machine was deleted",
+        victim.name,
+        deleted_at.elapsed().as_secs_f64()
+    );
+    let hosts: Api<MetalHost> = Api::namespaced(client.clone(), NAMESPACE);
+    eventually("the MetalHost Available again", 120, || async {
+        let h = hosts.get(&victim.name).await.ok()?;
+        (h.status.and_then(|s| s.state) == Some(HostState::Available)).then_some(())
+    })
+    .await;
+    eventually("the Node deleted", 120, || async {
+        nodes
+            .get_opt(&node_name)
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    // lab down leaves no QEMU and no control-plane process behind.
+    let live: std::collections::BTreeMap<String, HostLive> = read_json(&dir.join("hosts.json"));
+    let qemu_pids: Vec<u32> = live.values().filter_map(|l| l.qemu_pid).collect();
+    let down = metalboot(&["lab", "down", "--dir", &dir_s]);
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    assert!(!alive(state.pid), "the lab daemon is gone");
+    for pid in qemu_pids {
+        assert!(!alive(pid), "QEMU {pid} still running after lab down");
+    }
+    let pids = std::fs::read_to_string(dir.join("control-plane").join("etcd.log")).ok();
+    assert!(pids.is_some(), "control plane ran under the lab dir");
+    let leftovers = Command::new("pgrep")
+        .args(["-f", &dir_s])
+        .output()
+        .expect("pgrep");
+    assert!(
+        String::from_utf8_lossy(&leftovers.stdout).trim().is_empty(),
+        "processes still using the lab dir: {}",
+        String::from_utf8_lossy(&leftovers.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,675 @@
+//! The infrastructure provider end to end: the real apiserver, sushy-tools as the BMC (behind a
+//! recording proxy), the real boot service, and the test playing the host.
+
+mod support;
+
+#[path = "support/faultproxy.rs"]
+mod faultproxy;
+#[path = "support/sushy.rs"]
+mod sushy;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use metalboot::api::capi::{Cluster, ClusterSpec, Machine, MachineBootstrap, MachineSpec};
+use metalboot::api::common::ContractVersionedObjectReference;
+use metalboot::api::metalhost::{BmcDetails, HostState, MetalHostSpec, PowerState};
+use metalboot::api::metalmachine::{BootProfile, MetalMachineSpec};
+use metalboot::api::{MetalHost, MetalMachine};
+use metalboot::bmc::redfish::{RedfishBmc, RedfishOptions};
+use metalboot::bmc::{Bmc, BootDevice, Credentials};
+use metalboot::manager::{ManagerOptions, RunningManager};
+use support::boot::install_crds;
+
+const USER: &str = "admin";
+const PASSWORD: &str = "s3cret-bmc-pass";
+
+struct Lab {
+    ns: support::TestNamespace,
+    sushy: sushy::Sushy,
+    proxy: faultproxy::FaultProxy,
+}
+
+async fn lab(prefix: &str, systems: u8) -> Lab {
+    metalboot::telemetry::init(
+        metalboot::telemetry::LogFormat::Text,
+        Some("info,metalboot=debug,kube_runtime=warn"),
+    );
+    let ns = support::namespace(prefix).await;
+    install_crds(&ns.client).await;
+    let sushy = sushy::start(sushy::SushyConfig {
+        systems: (0..systems).map(sushy::system).collect(),
+        tls: None,
+        auth: Some((USER.into(), PASSWORD.into())),
+    });
+    let proxy = faultproxy::FaultProxy::start(&sushy.base, false).await;
+    credentials(&ns, "bmc-credentials", PASSWORD).await;
+    // The Cluster exists and its infrastructure is provisioned, as upstream would report it.
+    let clusters: Api<Cluster> = Api::namespaced(ns.client.clone(), &ns.name);
+    clusters
+        .create(
+            &PostParams::default(),
+            &Cluster::new("c1", ClusterSpec::default()),
+        )
+        .await
+        .expect("Cluster");
+    clusters
+        .patch_status("c1", &PatchParams::default(), &Patch::Merge(serde_json::json!({"status": {"initialization": {"infrastructureProvisioned": true}}})))
+        .await
+        .expect("Cluster status");
+    Lab { ns, sushy, proxy }
+}
+
+async fn credentials(ns: &support::TestNamespace, name: &str, password: &str) {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        string_data: Some(BTreeMap::from([
+            ("username".to_string(), USER.to_string()),
+            ("password".to_string(), password.to_string()),
+        ])),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .patch(
+            name,
+            &PatchParams::apply("metalboot-test").force(),
+            &Patch::Apply(&secret),
+        )
+        .await
+        .expect("credentials Secret");
+}
+
+impl Lab {
+    async fn host(&self, i: usize) -> MetalHost {
+        let host = MetalHost::new(
+            &format!("host-{i}"),
+            MetalHostSpec {
+                bmc: BmcDetails {
+                    address: self.proxy.address(&self.sushy.system_path(i)),
+                    credentials_name: "bmc-credentials".into(),
+                    disable_certificate_verification: None,
+                    ca_secret_name: None,
+                },
+                boot_mac_address: self.sushy.systems[i].macs[0].clone(),
+                boot_mode: None,
+                online: true,
+                description: None,
+            },
+        );
+        Api::<MetalHost>::namespaced(self.ns.client.clone(), &self.ns.name)
+            .create(&PostParams::default(), &host)
+            .await
+            .expect("MetalHost")
+    }
+
+    /// A Machine with ready bootstrap data and its MetalMachine, owned as the Machine controller would.
+    async fn machine(
+        &self,
+        name: &str,
+        timeout: Option<i32>,
+        retries: Option<i32>,
+    ) -> (Machine, Vec<u8>) {
+        let client = &self.ns.client;
+        let data = format!("#!/bin/sh\necho bootstrap {name}\n").into_bytes();
+        let bootstrap = Secret {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}-bootstrap")),
+                ..Default::default()
+            },
+            data: Some(BTreeMap::from([(
+                "value".to_string(),
+                ByteString(data.clone()),
+            )])),
+            type_: Some("cluster.x-k8s.io/secret".into()),
+            ..Default::default()
+        };
+        Api::<Secret>::namespaced(client.clone(), &self.ns.name)
+            .create(&PostParams::default(), &bootstrap)
+            .await
+            .expect("bootstrap Secret");
+        let machine = Machine::new(
+            name,
+            MachineSpec {
+                cluster_name: "c1".into(),
+                bootstrap: MachineBootstrap {
+                    data_secret_name: Some(format!("{name}-bootstrap")),
+                    ..Default::default()
+                },
+                infrastructure_ref: ContractVersionedObjectReference {
+                    api_group: "infrastructure.cluster.x-k8s.io".into(),
+                    kind: "MetalMachine".into(),
+                    name: name.into(),
+                },
+                ..Default::default()
+            },
+        );
+        let machine = Api::<Machine>::namespaced(client.clone(), &self.ns.name)
+            .create(&PostParams::default(), &machine)
+            .await
+            .expect("Machine");
+        let mut mm = MetalMachine::new(
+            name,
+            MetalMachineSpec {
+                boot: BootProfile {
+                    kernel: "vmlinuz".into(),
+                    initrds: vec!["initrd.gz".into()],
+                    cmdline: Some("console=ttyS0".into()),
+                },
+                boot_timeout_seconds: timeout,
+                boot_retries: retries,
+                ..Default::default()
+            },
+        );
+        mm.metadata.labels = Some(BTreeMap::from([(
+            "cluster.x-k8s.io/cluster-name".to_string(),
+            "c1".to_string(),
+        )]));
+        mm.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "cluster.x-k8s.io/v1beta2".into(),
+            kind: "Machine".into(),
+            name: name.into(),
+            uid: machine.uid().expect("uid"),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]);
+        Api::<MetalMachine>::namespaced(client.clone(), &self.ns.name)
+            .create(&PostParams::default(), &mm)
+            .await
+            .expect("MetalMachine");
+        (machine, data)
+    }
+
+    async fn manager(&self) -> RunningManager {
+        metalboot::manager::start(
+            self.ns.client.clone(),
+            ManagerOptions {
+                namespace: Some(self.ns.name.clone()),
+                boot_http: "127.0.0.1:0".parse().expect("addr"),
+                power_poll_interval: Duration::from_secs(10),
+                graceful_off: Duration::from_secs(5),
+                deprovision_timeout: Duration::from_secs(10),
+                bmc_timeout: Duration::from_secs(5),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("manager starts")
+    }
+
+    /// A driver straight to the emulator (not through the proxy), for checking what the BMC saw.
+    fn bmc(&self, i: usize) -> RedfishBmc {
+        RedfishBmc::new(
+            &self.sushy.address(&self.sushy.system_path(i)),
+            Credentials::new(USER, PASSWORD),
+            RedfishOptions::default(),
+        )
+        .expect("driver")
+    }
+
+    async fn metal_machine(&self, name: &str) -> Option<MetalMachine> {
+        Api::<MetalMachine>::namespaced(self.ns.client.clone(), &self.ns.name)
+            .get_opt(name)
+            .await
+            .expect("get MetalMachine")
+    }
+
+    async fn metal_host(&self, name: &str) -> MetalHost {
+        Api::<MetalHost>::namespaced(self.ns.client.clone(), &self.ns.name)
+            .get(name)
+            .await
+            .expect("get MetalHost")
+    }
+
+    async fn boot_secret(&self, machine: &str) -> Option<Secret> {
+        Api::<Secret>::namespaced(self.ns.client.clone(), &self.ns.name)
+            .get_opt(&format!("{machine}-boot"))
+            .await
+            .expect("get Secret")
+    }
+
+    fn resets(&self) -> usize {
+        self.proxy.count("POST", "/redfish/v1/Systems/")
+    }
+
+    async fn events(&self, name: &str) -> Vec<Event> {
+        Api::<Event>::namespaced(self.ns.client.clone(), &self.ns.name)
+            .list(&ListParams::default())
+            .await
+            .expect("events")
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .collect()
+    }
+}
+
+async fn power_of(bmc: &RedfishBmc) -> Option<PowerState> {
+    bmc.power_state().await.ok()
+}
+
+fn condition(mm: &MetalMachine, type_: &str) -> Option<(String, String, String)> {
+    mm.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+/// Plays the host: fetches the chain from the boot service and returns the NoCloud seed URL.
+async fn boot_chain(base: &str, mac: &str) -> String {
+    let http = reqwest::Client::new();
+    let entry = http
+        .get(format!("{base}/boot.ipxe"))
+        .send()
+        .await
+        .expect("boot.ipxe")
+        .text()
+        .await
+        .expect("text");
+    assert!(entry.contains("/ipxe/${mac:hexhyp}"), "{entry}");
+    let script = http
+        .get(format!("{base}/ipxe/{}", mac.replace(':', "-")))
+        .send()
+        .await
+        .expect("host script")
+        .text()
+        .await
+        .expect("text");
+    let seed = script
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("ds=nocloud;s="))
+        .unwrap_or_else(|| panic!("no NoCloud datasource in the host script:\n{script}"))
+        .to_string();
+    assert!(
+        script.contains(&format!("kernel {base}/artifacts/vmlinuz")),
+        "{script}"
+    );
+    seed
+}
+
+#[tokio::test]
+async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
+    let lab = lab("provision", 1).await;
+    lab.host(0).await;
+    let (_, bootstrap) = lab.machine("m1", None, None).await;
+    let manager = lab.manager().await;
+    let bmc = lab.bmc(0);
+
+    // The controller powers the host on with a one-time network boot.
+    support::eventually("the BMC powered on", 60, || async {
+        (power_of(&bmc).await == Some(PowerState::On)).then_some(())
+    })
+    .await;
+    let boot = bmc.boot_override().await.expect("boot override");
+    assert_eq!(
+        boot.device(),
+        Some(BootDevice::Pxe),
+        "one-time PXE boot set: {boot:?}"
+    );
+    assert_eq!(
+        lab.metal_host("host-0").await.status.and_then(|s| s.state),
+        Some(HostState::Provisioning)
+    );
+
+    let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
+    let http = reqwest::Client::new();
+    let meta = http
+        .get(format!("{seed}meta-data"))
+        .send()
+        .await
+        .expect("meta-data")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        meta.contains(&format!("provider-id: metalboot://{}/host-0", lab.ns.name)),
+        "{meta}"
+    );
+    let user_data = http
+        .get(format!("{seed}user-data"))
+        .send()
+        .await
+        .expect("user-data")
+        .bytes()
+        .await
+        .expect("bytes");
+    assert_eq!(
+        user_data.to_vec(),
+        bootstrap,
+        "user-data is the bootstrap Secret"
+    );
+    let callback = seed
+        .replace("/nocloud/", "/callback/")
+        .trim_end_matches('/')
+        .to_string();
+    let answer = http
+        .post(&callback)
+        .body(r#"{"hostname":"node-0","addresses":["192.168.50.10"]}"#)
+        .send()
+        .await
+        .expect("callback");
+    assert_eq!(answer.status(), 200);
+
+    let mm = support::eventually("MetalMachine ready", 30, || async {
+        lab.metal_machine("m1")
+            .await
+            .filter(|m| m.status.as_ref().is_some_and(|s| s.ready))
+    })
+    .await;
+    assert_eq!(
+        mm.spec.provider_id.as_deref(),
+        Some(format!("metalboot://{}/host-0", lab.ns.name).as_str())
+    );
+    let status = mm.status.clone().expect("status");
+    assert_eq!(
+        status.initialization.and_then(|i| i.provisioned),
+        Some(true)
+    );
+    assert!(
+        status
+            .addresses
+            .iter()
+            .any(|a| a.address == "192.168.50.10"),
+        "{:?}",
+        status.addresses
+    );
+    assert!(
+        status.addresses.iter().any(|a| a.address == "node-0"),
+        "{:?}",
+        status.addresses
+    );
+    assert_eq!(condition(&mm, "Ready").map(|c| c.0), Some("True".into()));
+    assert_eq!(
+        lab.metal_host("host-0").await.status.and_then(|s| s.state),
+        Some(HostState::Provisioned)
+    );
+    assert_eq!(power_of(&bmc).await, Some(PowerState::On));
+    support::eventually("token killed", 20, || async {
+        lab.boot_secret("m1").await.is_none().then_some(())
+    })
+    .await;
+    let dead = http
+        .get(format!("{seed}user-data"))
+        .send()
+        .await
+        .expect("replay");
+    assert_eq!(dead.status(), 404, "the token is dead after the callback");
+
+    // Deletion: power off, release, token gone, finalizer removed.
+    Api::<MetalMachine>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .delete("m1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    support::eventually("MetalMachine gone", 60, || async {
+        lab.metal_machine("m1").await.is_none().then_some(())
+    })
+    .await;
+    assert_eq!(
+        power_of(&bmc).await,
+        Some(PowerState::Off),
+        "the BMC powered the host off"
+    );
+    let host = lab.metal_host("host-0").await;
+    let host_status = host.status.expect("status");
+    assert_eq!(host_status.state, Some(HostState::Available));
+    assert!(host_status.consumer_ref.is_none());
+    drop(manager);
+}
+
+#[tokio::test]
+async fn no_callback_means_bounded_power_cycles_then_a_terminal_failure() {
+    let lab = lab("timeout", 1).await;
+    lab.host(0).await;
+    lab.machine("m1", Some(12), Some(2)).await;
+    let _manager = lab.manager().await;
+    let mm = support::eventually("terminal failure", 150, || async {
+        lab.metal_machine("m1").await.filter(|m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| s.failure_reason.is_some())
+        })
+    })
+    .await;
+    let status = mm.status.clone().expect("status");
+    assert_eq!(status.failure_reason.as_deref(), Some("BootTimeout"));
+    assert!(
+        status
+            .failure_message
+            .as_deref()
+            .is_some_and(|m| m.contains("3 attempts")),
+        "{:?}",
+        status.failure_message
+    );
+    let ready = condition(&mm, "Ready").expect("Ready condition");
+    assert_eq!(
+        (ready.0.as_str(), ready.1.as_str()),
+        ("False", "BootTimeout")
+    );
+    // One power-on for attempt 1, then exactly bootRetries (2) power cycles.
+    assert_eq!(
+        lab.resets(),
+        3,
+        "reset requests at the BMC: {:?}",
+        lab.proxy
+            .log()
+            .iter()
+            .filter(|e| e.method == "POST")
+            .collect::<Vec<_>>()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(lab.resets(), 3, "a failed machine is left alone");
+    assert!(
+        lab.boot_secret("m1").await.is_none(),
+        "the token dies with the failure"
+    );
+}
+
+#[tokio::test]
+async fn deletion_with_an_unreachable_bmc_marks_the_host_and_releases_the_machine() {
+    let mut lab = lab("unreachable", 1).await;
+    lab.host(0).await;
+    lab.machine("m1", None, None).await;
+    let _manager = lab.manager().await;
+    support::eventually("host powered for provisioning", 60, || async {
+        lab.boot_secret("m1").await.filter(|s| {
+            s.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
+        })
+    })
+    .await;
+    // The BMC goes away.
+    let dead = sushy::start(sushy::SushyConfig {
+        systems: vec![],
+        tls: None,
+        auth: None,
+    });
+    lab.sushy = dead; // drops (kills) the emulator the host used
+    Api::<MetalMachine>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .delete("m1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    support::eventually("MetalMachine released", 60, || async {
+        lab.metal_machine("m1").await.is_none().then_some(())
+    })
+    .await;
+    let host = lab.metal_host("host-0").await.status.expect("status");
+    assert_eq!(host.state, Some(HostState::Error));
+    assert!(host.consumer_ref.is_none());
+    assert!(
+        host.error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("could not power it off")),
+        "{:?}",
+        host.error_message
+    );
+    let events = lab.events("m1").await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("HostAbandoned")),
+        "an Event says the host was abandoned"
+    );
+}
+
+#[tokio::test]
+async fn ten_machines_race_for_three_hosts() {
+    let lab = lab("race", 3).await;
+    for i in 0..3 {
+        lab.host(i).await;
+    }
+    for i in 0..10 {
+        lab.machine(&format!("m{i}"), None, None).await;
+    }
+    let _manager = lab.manager().await;
+    let hosts_api: Api<MetalHost> = Api::namespaced(lab.ns.client.clone(), &lab.ns.name);
+    let claimed = support::eventually("three hosts claimed", 90, || async {
+        let hosts = hosts_api.list(&ListParams::default()).await.ok()?.items;
+        let consumers: Vec<String> = hosts
+            .iter()
+            .filter_map(|h| {
+                h.status
+                    .as_ref()?
+                    .consumer_ref
+                    .as_ref()
+                    .map(|c| c.name.clone())
+            })
+            .collect();
+        (consumers.len() == 3).then_some(consumers)
+    })
+    .await;
+    let mut unique = claimed.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), 3, "no machine holds two hosts: {claimed:?}");
+    let machines = support::eventually("seven machines told no host matches", 60, || async {
+        let all = Api::<MetalMachine>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items;
+        let waiting = all
+            .iter()
+            .filter(|m| {
+                condition(m, "HostAssociated")
+                    .is_some_and(|c| c.0 == "False" && c.1 == "NoHostAvailable")
+            })
+            .count();
+        (waiting == 7).then_some(all)
+    })
+    .await;
+    let with_hosts: Vec<String> = machines
+        .iter()
+        .filter_map(|m| m.status.as_ref()?.host_ref.as_ref().map(|h| h.name.clone()))
+        .collect();
+    let mut distinct = with_hosts.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(
+        (with_hosts.len(), distinct.len()),
+        (3, 3),
+        "exactly 3 machines hold distinct hosts: {with_hosts:?}"
+    );
+    let message = machines
+        .iter()
+        .find_map(|m| condition(m, "HostAssociated").filter(|c| c.0 == "False"))
+        .map(|c| c.2)
+        .unwrap_or_default();
+    assert!(message.contains("no Available MetalHost"), "{message}");
+}
+
+#[tokio::test]
+async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle() {
+    let lab = lab("restart", 1).await;
+    lab.host(0).await;
+    lab.machine("m1", None, None).await;
+    let manager = lab.manager().await;
+    support::eventually("host powered for provisioning", 60, || async {
+        lab.boot_secret("m1").await.filter(|s| {
+            s.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
+        })
+    })
+    .await;
+    let resets_before = lab.resets();
+    assert_eq!(resets_before, 1, "one power-on so far");
+    drop(manager); // killed mid-provisioning
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let manager = lab.manager().await;
+    support::eventually("the restarted boot service is ready", 30, || async {
+        let r = reqwest::get(format!("{}/readyz", manager.base_url))
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
+    let callback = seed
+        .replace("/nocloud/", "/callback/")
+        .trim_end_matches('/')
+        .to_string();
+    let answer = reqwest::Client::new()
+        .post(&callback)
+        .body("{}")
+        .send()
+        .await
+        .expect("callback");
+    assert_eq!(answer.status(), 200);
+    support::eventually("MetalMachine ready", 30, || async {
+        lab.metal_machine("m1")
+            .await
+            .filter(|m| m.status.as_ref().is_some_and(|s| s.ready))
+    })
+    .await;
+    assert_eq!(
+        lab.resets(),
+        1,
+        "the restart did not power-cycle the host again"
+    );
+}
+
+#[tokio::test]
+async fn wrong_credentials_put_the_host_in_error_and_fixing_the_secret_recovers_it() {
+    let lab = lab("creds", 1).await;
+    credentials(&lab.ns, "bmc-credentials", "wrong-password").await;
+    lab.host(0).await;
+    let _manager = lab.manager().await;
+    let host = support::eventually("host in Error", 30, || async {
+        let h = lab.metal_host("host-0").await;
+        (h.status.as_ref().and_then(|s| s.state) == Some(HostState::Error)).then_some(h)
+    })
+    .await;
+    let status = host.status.expect("status");
+    let registered = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Registered")
+        .expect("Registered condition");
+    assert_eq!(
+        (registered.status.as_str(), registered.reason.as_str()),
+        ("False", "BmcAuthFailed")
+    );
+    assert!(
+        !registered.message.contains("wrong-password"),
+        "the password never reaches status"
+    );
+    credentials(&lab.ns, "bmc-credentials", PASSWORD).await;
+    support::eventually("host Available after the Secret is fixed", 30, || async {
+        (lab.metal_host("host-0").await.status.and_then(|s| s.state) == Some(HostState::Available))
+            .then_some(())
+    })
+    .await;
+}

@@ -1,0 +1,153 @@
+//! Test support: one real control plane (etcd + kube-apiserver) per test binary, started on first
+//! use and killed when the binary exits; each test gets its own namespace and its own client
+//! (a `kube::Client` belongs to the tokio runtime that made it, and every test has a runtime).
+//! Nothing here mocks the apiserver: if it cannot start, the test fails and says why.
+#![allow(dead_code)]
+
+pub mod boot;
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::Kubeconfig;
+use metalboot::controlplane::{self, ControlPlane, Lifetime};
+
+pub struct SharedControlPlane {
+    pub kubeconfig: Kubeconfig,
+    pub kubeconfig_path: PathBuf,
+    pub server: String,
+    pub ca_pem: String,
+}
+
+/// The binary's control plane, started on first call.
+pub fn control_plane() -> &'static SharedControlPlane {
+    static PLANE: OnceLock<Result<SharedControlPlane, String>> = OnceLock::new();
+    let plane = PLANE.get_or_init(|| {
+        let exe = std::env::current_exe().ok();
+        let name = exe
+            .as_ref()
+            .and_then(|e| e.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "test".into());
+        let data_dir = controlplane::project_dir()
+            .join("target/test-control-plane")
+            .join(format!("{name}-{}", std::process::id()));
+        let opts = controlplane::Options {
+            bin_dir: controlplane::default_bin_dir(),
+            data_dir: data_dir.clone(),
+            lifetime: Lifetime::TiedToThisProcess,
+        };
+        // Started on its own runtime: the caller may be inside another test's runtime.
+        let started = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            rt.map_err(|e| e.to_string()).and_then(|rt| {
+                rt.block_on(ControlPlane::start(&opts))
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .join()
+        .map_err(|_| "control-plane start panicked".to_string())
+        .and_then(|r| r);
+        started.map(|cp| {
+            controlplane::remove_at_exit(&data_dir);
+            let shared = SharedControlPlane {
+                kubeconfig: cp.kubeconfig.clone(),
+                kubeconfig_path: cp.kubeconfig_path.clone(),
+                server: cp.server.clone(),
+                ca_pem: cp.ca_pem.clone(),
+            };
+            // Processes die with this test binary (PDEATHSIG + atexit), not when a test ends.
+            std::mem::forget(cp);
+            shared
+        })
+    });
+    match plane {
+        Ok(p) => p,
+        Err(e) => {
+            panic!("the test control plane could not start (run `make test`, which builds it): {e}")
+        }
+    }
+}
+
+/// A client for the shared control plane, bound to the calling test's runtime.
+pub async fn client() -> kube::Client {
+    let plane = control_plane();
+    match controlplane::client_from_kubeconfig(plane.kubeconfig.clone()).await {
+        Ok(c) => c,
+        Err(e) => panic!("client for the test control plane: {e}"),
+    }
+}
+
+/// A fresh namespace for one test.
+pub struct TestNamespace {
+    pub client: kube::Client,
+    pub name: String,
+}
+
+pub async fn namespace(prefix: &str) -> TestNamespace {
+    let client = client().await;
+    let name = format!("{prefix}-{:08x}", rand::random::<u32>());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap_or_else(|e| panic!("creating test namespace {name}: {e}"));
+    TestNamespace { client, name }
+}
+
+/// A namespace with metalboot's CRDs, a Cluster `c1`, and a manager (standalone controllers
+/// included) watching only that namespace. Dropping the manager stops it.
+pub async fn standalone_env(prefix: &str) -> (TestNamespace, metalboot::manager::RunningManager) {
+    metalboot::telemetry::init(
+        metalboot::telemetry::LogFormat::Text,
+        Some("info,metalboot=debug,kube_runtime=warn"),
+    );
+    let ns = namespace(prefix).await;
+    boot::install_crds(&ns.client).await;
+    Api::<metalboot::api::Cluster>::namespaced(ns.client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &metalboot::api::Cluster::new("c1", Default::default()),
+        )
+        .await
+        .expect("Cluster");
+    let manager = metalboot::manager::start(
+        ns.client.clone(),
+        metalboot::manager::ManagerOptions {
+            namespace: Some(ns.name.clone()),
+            boot_http: "127.0.0.1:0".parse().expect("addr"),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("manager starts");
+    (ns, manager)
+}
+
+/// Polls `check` until it returns Some or `secs` pass; panics with `what` on timeout.
+pub async fn eventually<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!("timed out after {secs}s waiting for {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}

@@ -1,0 +1,190 @@
+//! The boot service's TFTP side against real clients: curl `tftp://`, atftp, and raw UDP packets
+//! for what well-behaved clients never send. Serves Debian's `/usr/lib/ipxe` as in production.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use metalboot::boot::tftp::Tftp;
+
+const ROOT: &str = "/usr/lib/ipxe";
+
+async fn start() -> SocketAddr {
+    let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
+        .await
+        .expect("bind TFTP");
+    let addr = server.local_addr().expect("TFTP address");
+    tokio::spawn(server.serve());
+    addr
+}
+
+fn original() -> Vec<u8> {
+    std::fs::read(Path::new(ROOT).join("undionly.kpxe")).expect("Debian ipxe's undionly.kpxe")
+}
+
+async fn curl_get(addr: SocketAddr, name: &str, out: &Path) -> std::process::Output {
+    let url = format!("tftp://{addr}/{name}");
+    let out = out.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        Command::new("curl")
+            .args(["-sS", "--max-time", "60", "--tftp-blksize", "1468", "-o"])
+            .arg(&out)
+            .arg(url)
+            .output()
+            .expect("run curl")
+    })
+    .await
+    .expect("curl task")
+}
+
+/// Sends one raw request and returns the first packet the server answers with.
+async fn raw_request(addr: SocketAddr, packet: Vec<u8>) -> Vec<u8> {
+    tokio::task::spawn_blocking(move || {
+        let socket = UdpSocket::bind("127.0.0.1:0").expect("udp");
+        socket
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        socket.send_to(&packet, addr).expect("send");
+        let mut buf = [0u8; 2048];
+        let (n, _) = socket.recv_from(&mut buf).expect("an answer within 10 s");
+        buf[..n].to_vec()
+    })
+    .await
+    .expect("udp task")
+}
+
+fn request(opcode: u8, name: &str) -> Vec<u8> {
+    let mut p = vec![0, opcode];
+    p.extend_from_slice(name.as_bytes());
+    p.push(0);
+    p.extend_from_slice(b"octet\0");
+    p
+}
+
+#[tokio::test]
+async fn curl_fetches_undionly_byte_identical_with_blksize_1468() {
+    let addr = start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("undionly.kpxe");
+    let result = curl_get(addr, "undionly.kpxe", &out).await;
+    assert!(
+        result.status.success(),
+        "curl: {}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let got = std::fs::read(&out).expect("downloaded");
+    assert_eq!(got.len(), original().len());
+    assert!(got == original(), "byte-identical");
+}
+
+#[tokio::test]
+async fn atftp_trace_shows_blksize_and_tsize_negotiated() {
+    let addr = start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("undionly.kpxe");
+    let port = addr.port().to_string();
+    let local = out.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        Command::new("atftp")
+            .args([
+                "--trace",
+                "--option",
+                "blksize 1468",
+                "--option",
+                "tsize 0",
+                "-g",
+                "-r",
+                "undionly.kpxe",
+                "-l",
+            ])
+            .arg(&local)
+            .args(["127.0.0.1", &port])
+            .output()
+            .expect("run atftp")
+    })
+    .await
+    .expect("atftp task");
+    let trace = format!(
+        "{}{}",
+        String::from_utf8_lossy(&result.stdout),
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let oack = trace
+        .lines()
+        .find(|l| l.contains("OACK"))
+        .unwrap_or_else(|| panic!("no OACK in the trace:\n{trace}"));
+    println!("atftp: {oack}");
+    assert!(oack.contains("blksize: 1468"), "{oack}");
+    assert!(
+        oack.contains(&format!("tsize: {}", original().len())),
+        "{oack}"
+    );
+    assert!(std::fs::read(&out).expect("downloaded") == original());
+}
+
+#[tokio::test]
+async fn ten_path_escape_attempts_get_an_error_packet_and_no_data() {
+    let addr = start().await;
+    let attempts = [
+        "../../../../etc/passwd",
+        "/etc/passwd",
+        "..\\..\\..\\etc\\passwd",
+        "qemu/../../../etc/passwd",
+        "undionly.kpxe/../../../../etc/shadow",
+        "./../etc/hostname",
+        "....//....//etc/passwd",
+        "/proc/self/environ",
+        "qemu/../../../../proc/self/cmdline",
+        "%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+    ];
+    for name in attempts {
+        let answer = raw_request(addr, request(1, name)).await;
+        assert_eq!(
+            answer.get(..2),
+            Some(&[0u8, 5][..]),
+            "{name:?} must be answered with ERROR, got {answer:?}"
+        );
+        let code = u16::from_be_bytes([answer[2], answer[3]]);
+        assert!(
+            code == 1 || code == 2,
+            "{name:?}: file-not-found or access-violation, got {code}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn writes_are_refused() {
+    let addr = start().await;
+    let answer = raw_request(addr, request(2, "undionly.kpxe")).await;
+    assert_eq!(
+        answer.get(..4),
+        Some(&[0u8, 5, 0, 2][..]),
+        "WRQ answered with ERROR access violation: {answer:?}"
+    );
+    assert!(original().len() > 1000, "the file is untouched");
+}
+
+#[tokio::test]
+async fn twenty_concurrent_transfers_are_all_identical() {
+    let addr = start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let transfers = (0..20).map(|i| {
+        let out = dir.path().join(format!("undionly-{i}.kpxe"));
+        async move {
+            let result = curl_get(addr, "undionly.kpxe", &out).await;
+            assert!(
+                result.status.success(),
+                "transfer {i}: {}",
+                String::from_utf8_lossy(&result.stderr)
+            );
+            std::fs::read(&out).expect("downloaded")
+        }
+    });
+    let all = futures::future::join_all(transfers).await;
+    let want = original();
+    assert_eq!(all.len(), 20);
+    for (i, got) in all.iter().enumerate() {
+        assert!(*got == want, "transfer {i} differs");
+    }
+}
