@@ -183,6 +183,7 @@ pub async fn start(
         graceful_off: opts.graceful_off,
         deprovision_timeout: opts.deprovision_timeout,
         watch_filter: watch_filter.clone(),
+        power_off_requests: Default::default(),
     });
     let cluster_controller = metalcluster::controller(client.clone(), namespace);
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {

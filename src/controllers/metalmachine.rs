@@ -8,7 +8,7 @@
 //! Deletion: power off (forced after a grace period), release the host, kill the token; a BMC
 //! that stays unreachable marks the host Error and releases the machine anyway.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -200,24 +200,34 @@ fn is_link_local(ip: &IpAddr) -> bool {
     }
 }
 
+/// How long a power-off request is given before the same request is sent again. BMCs apply
+/// power actions asynchronously (sushy-tools and many real BMCs take seconds), and some restart
+/// the transition on every repeated request, so hammering them delays the very power-off we want.
+pub const POWER_OFF_RESEND: Duration = Duration::from_secs(30);
+
 /// What deprovisioning does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeprovisionStep {
-    GracefulOff,
-    ForceOff,
+    /// Send this power-off request to the BMC now.
+    Request(PowerAction),
+    /// This request was sent recently: give the BMC time, and check the power state again.
+    Wait(PowerAction),
     /// Powered off: release the host.
     Release,
     /// BMC trouble, still within the deadline: try again later.
     Retry(Fault),
-    /// BMC trouble past the deadline: mark the host Error and release the machine.
+    /// BMC trouble (or a host that will not power off) past the deadline: mark the host Error and
+    /// release the machine.
     Abandon(Fault),
 }
 
+/// `last_request` is the power-off request already sent for this deletion and how long ago.
 pub fn deprovision_step(
     power: Result<PowerState, Fault>,
     since_delete: Duration,
     graceful: Duration,
     deadline: Duration,
+    last_request: Option<(PowerAction, Duration)>,
 ) -> DeprovisionStep {
     match power {
         Ok(PowerState::Off) => DeprovisionStep::Release,
@@ -228,8 +238,19 @@ pub fn deprovision_step(
                 since_delete.as_secs()
             ),
         }),
-        Ok(_) if since_delete >= graceful => DeprovisionStep::ForceOff,
-        Ok(_) => DeprovisionStep::GracefulOff,
+        Ok(_) => {
+            let want = if since_delete >= graceful {
+                PowerAction::ForceOff
+            } else {
+                PowerAction::GracefulOff
+            };
+            match last_request {
+                Some((sent, ago)) if sent == want && ago < POWER_OFF_RESEND => {
+                    DeprovisionStep::Wait(want)
+                }
+                _ => DeprovisionStep::Request(want),
+            }
+        }
         Err(f) if since_delete >= deadline => DeprovisionStep::Abandon(f),
         Err(f) => DeprovisionStep::Retry(f),
     }
@@ -250,6 +271,9 @@ pub struct MachineContext {
     /// How long deletion keeps trying an unreachable BMC before releasing the machine anyway.
     pub deprovision_timeout: Duration,
     pub watch_filter: Option<String>,
+    /// The power-off request last sent per deleting machine, and when (see [`POWER_OFF_RESEND`]).
+    /// In memory: after a restart the request is simply sent once more.
+    pub power_off_requests: std::sync::Mutex<HashMap<String, (PowerAction, std::time::Instant)>>,
 }
 
 struct Observed {
@@ -1091,12 +1115,26 @@ async fn cleanup(
         Err(f) => Err(f.clone()),
     };
     tracing::debug!(machine = %key(mm.as_ref()), host = %host_name, power = ?power, since_delete = ?since_delete, "deprovisioning step");
-    match deprovision_step(
+    let machine_key = key(mm.as_ref());
+    let last_request = ctx
+        .power_off_requests
+        .lock()
+        .ok()
+        .and_then(|sent| sent.get(&machine_key).copied())
+        .map(|(action, at)| (action, at.elapsed()));
+    let step = deprovision_step(
         power,
         since_delete,
         ctx.graceful_off,
         ctx.deprovision_timeout,
-    ) {
+        last_request,
+    );
+    if matches!(step, DeprovisionStep::Release | DeprovisionStep::Abandon(_))
+        && let Ok(mut sent) = ctx.power_off_requests.lock()
+    {
+        sent.remove(&machine_key);
+    }
+    match step {
         DeprovisionStep::Release => {
             if let Ok(b) = &bmc
                 && let Err(e) = b.set_boot_once(BootDevice::Hdd, host.spec.boot_mode).await
@@ -1115,16 +1153,19 @@ async fn cleanup(
                 .await;
             Ok(Action::await_change())
         }
-        step @ (DeprovisionStep::GracefulOff | DeprovisionStep::ForceOff) => {
-            let action = if step == DeprovisionStep::ForceOff {
-                PowerAction::ForceOff
-            } else {
-                PowerAction::GracefulOff
-            };
-            if let Ok(b) = &bmc
-                && let Err(e) = b.power(action).await
-            {
-                tracing::warn!(host = %host_name, error = %e, %action, "power-off request failed; will retry");
+        DeprovisionStep::Request(action) => {
+            // A power state was read, so the connection exists; a failed request is retried.
+            if let Ok(b) = &bmc {
+                match b.power(action).await {
+                    Ok(()) => {
+                        if let Ok(mut sent) = ctx.power_off_requests.lock() {
+                            sent.insert(machine_key, (action, std::time::Instant::now()));
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(host = %host_name, error = %e, %action, "power-off request failed; will retry");
+                    }
+                }
             }
             Err(ReconcileError::Requeue {
                 what: format!(
@@ -1133,6 +1174,10 @@ async fn cleanup(
                 after: Duration::from_secs(3),
             })
         }
+        DeprovisionStep::Wait(action) => Err(ReconcileError::Requeue {
+            what: format!("waiting for MetalHost {host_name} to power off ({action} requested)"),
+            after: Duration::from_secs(3),
+        }),
         DeprovisionStep::Retry(f) => {
             tracing::warn!(host = %host_name, reason = f.reason, "deprovisioning: {}", f.message);
             Err(ReconcileError::Requeue {
@@ -1337,53 +1382,80 @@ mod tests {
             reason: "BmcUnreachable",
             message: "refused".into(),
         };
+        let graceful = Some((PowerAction::GracefulOff, s(2)));
         let cases = vec![
             (
                 "off: release",
                 Ok(PowerState::Off),
                 s(0),
+                graceful,
                 DeprovisionStep::Release,
             ),
             (
                 "on: ask nicely",
                 Ok(PowerState::On),
                 s(5),
-                DeprovisionStep::GracefulOff,
+                None,
+                DeprovisionStep::Request(PowerAction::GracefulOff),
             ),
             (
-                "still on after grace: force",
+                "asked nicely 2 s ago: wait, do not ask again",
+                Ok(PowerState::On),
+                s(7),
+                graceful,
+                DeprovisionStep::Wait(PowerAction::GracefulOff),
+            ),
+            (
+                "asked nicely long ago: ask again",
+                Ok(PowerState::PoweringOff),
+                s(50),
+                Some((PowerAction::GracefulOff, POWER_OFF_RESEND)),
+                DeprovisionStep::Request(PowerAction::GracefulOff),
+            ),
+            (
+                "still on after grace: force, once",
                 Ok(PowerState::On),
                 s(61),
-                DeprovisionStep::ForceOff,
+                graceful,
+                DeprovisionStep::Request(PowerAction::ForceOff),
             ),
             (
-                "powering off: keep asking",
-                Ok(PowerState::PoweringOff),
-                s(10),
-                DeprovisionStep::GracefulOff,
+                "forced 10 s ago: wait",
+                Ok(PowerState::On),
+                s(71),
+                Some((PowerAction::ForceOff, s(10))),
+                DeprovisionStep::Wait(PowerAction::ForceOff),
             ),
             (
                 "BMC down: retry",
                 Err(f.clone()),
                 s(10),
+                None,
                 DeprovisionStep::Retry(f.clone()),
             ),
             (
                 "BMC down too long: abandon",
                 Err(f.clone()),
                 s(301),
+                graceful,
                 DeprovisionStep::Abandon(f.clone()),
             ),
         ];
-        for (what, power, since, want) in cases {
+        for (what, power, since, last, want) in cases {
             assert_eq!(
-                deprovision_step(power, since, s(60), s(300)),
+                deprovision_step(power, since, s(60), s(300), last),
                 want,
                 "{what}"
             );
         }
         assert!(matches!(
-            deprovision_step(Ok(PowerState::On), s(400), s(60), s(300)),
+            deprovision_step(
+                Ok(PowerState::On),
+                s(400),
+                s(60),
+                s(300),
+                Some((PowerAction::ForceOff, s(1)))
+            ),
             DeprovisionStep::Abandon(_)
         ));
     }
