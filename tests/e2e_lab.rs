@@ -208,6 +208,13 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
         victim.name,
         deleted_at.elapsed().as_secs_f64()
     );
+    // The graceful path did it: the BMC pressed the power button and the OS powered itself off.
+    let serial = std::fs::read_to_string(&victim.serial_log).unwrap_or_default();
+    assert!(
+        serial.contains("power button pressed; powering off"),
+        "{} did not shut down through ACPI:\n{serial}",
+        victim.name
+    );
     let hosts: Api<MetalHost> = Api::namespaced(client.clone(), NAMESPACE);
     eventually("the MetalHost Available again", 120, || async {
         let h = hosts.get(&victim.name).await.ok()?;
