@@ -242,6 +242,15 @@ impl Lab {
         self.proxy.count("POST", "/redfish/v1/Systems/")
     }
 
+    /// The POSTs the BMC saw, for assertion messages.
+    fn posts(&self) -> Vec<faultproxy::LogEntry> {
+        self.proxy
+            .log()
+            .into_iter()
+            .filter(|e| e.method == "POST")
+            .collect()
+    }
+
     async fn events(&self, name: &str) -> Vec<Event> {
         Api::<Event>::namespaced(self.ns.client.clone(), &self.ns.name)
             .list(&ListParams::default())
@@ -427,11 +436,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     assert!(
         (2..=3).contains(&resets),
         "reset requests at the BMC: {:?}",
-        lab.proxy
-            .log()
-            .iter()
-            .filter(|e| e.method == "POST")
-            .collect::<Vec<_>>()
+        lab.posts()
     );
     let host = lab.metal_host("host-0").await;
     let host_status = host.status.expect("status");
@@ -474,11 +479,7 @@ async fn no_callback_means_bounded_power_cycles_then_a_terminal_failure() {
         lab.resets(),
         3,
         "reset requests at the BMC: {:?}",
-        lab.proxy
-            .log()
-            .iter()
-            .filter(|e| e.method == "POST")
-            .collect::<Vec<_>>()
+        lab.posts()
     );
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(lab.resets(), 3, "a failed machine is left alone");
