@@ -1114,8 +1114,8 @@ async fn cleanup(
         Ok(b) => b.power_state().await.map_err(|e| fault(&e)),
         Err(f) => Err(f.clone()),
     };
-    tracing::debug!(machine = %key(mm.as_ref()), host = %host_name, power = ?power, since_delete = ?since_delete, "deprovisioning step");
     let machine_key = key(mm.as_ref());
+    tracing::debug!(machine = %machine_key, host = %host_name, power = ?power, since_delete = ?since_delete, "deprovisioning step");
     let last_request = ctx
         .power_off_requests
         .lock()
@@ -1153,9 +1153,11 @@ async fn cleanup(
                 .await;
             Ok(Action::await_change())
         }
-        DeprovisionStep::Request(action) => {
+        DeprovisionStep::Request(action) | DeprovisionStep::Wait(action) => {
             // A power state was read, so the connection exists; a failed request is retried.
-            if let Ok(b) = &bmc {
+            if matches!(step, DeprovisionStep::Request(_))
+                && let Ok(b) = &bmc
+            {
                 match b.power(action).await {
                     Ok(()) => {
                         if let Ok(mut sent) = ctx.power_off_requests.lock() {
@@ -1174,10 +1176,6 @@ async fn cleanup(
                 after: Duration::from_secs(3),
             })
         }
-        DeprovisionStep::Wait(action) => Err(ReconcileError::Requeue {
-            what: format!("waiting for MetalHost {host_name} to power off ({action} requested)"),
-            after: Duration::from_secs(3),
-        }),
         DeprovisionStep::Retry(f) => {
             tracing::warn!(host = %host_name, reason = f.reason, "deprovisioning: {}", f.message);
             Err(ReconcileError::Requeue {
