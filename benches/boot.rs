@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
+use kube::Resource;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
-use kube::{Resource, ResourceExt};
 use metalboot::api::metalhost::{BmcDetails, ConsumerReference, HostState, MetalHostSpec};
 use metalboot::api::metalmachine::{BootProfile, MetalMachineSpec};
 use metalboot::api::{MetalHost, MetalMachine};
@@ -115,6 +115,7 @@ async fn main() {
             boot_mode: None,
             online: true,
             description: None,
+            consumer_ref: Some(ConsumerReference::to_metal_machine("bench", "default")),
         },
     );
     hosts
@@ -138,14 +139,12 @@ async fn main() {
         )
         .await
         .expect("machine");
-    let consumer = ConsumerReference {
-        api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
-        kind: "MetalMachine".into(),
-        name: "bench".into(),
-        uid: mm.uid().unwrap_or_default(),
-    };
     hosts
-        .patch_status("bench-host", &PatchParams::default(), &Patch::Merge(serde_json::json!({"status": {"state": HostState::Provisioning, "consumerRef": consumer}})))
+        .patch_status(
+            "bench-host",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"state": HostState::Provisioning}})),
+        )
         .await
         .expect("host status");
     let user_data: Vec<u8> = (0..4096)

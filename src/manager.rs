@@ -7,20 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::middleware;
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::Api;
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use tokio::task::JoinHandle;
 
 use crate::boot::http::{self as boot_http, BootConfig, BootState, BootStores, CallbackNotice};
-use crate::boot::tokens::BOOT_TOKEN_LABEL;
 use crate::controllers::hostbmc::{BmcConnector, RedfishConnector};
 use crate::controllers::{
     Backoff, Events, cloudinitconfig, cluster, machine, metalcluster, metalhost, metalmachine,
 };
 use crate::leader::{self, LeaseConfig};
-use crate::stores::watch_store;
 
 #[derive(Clone)]
 pub struct ManagerOptions {
@@ -154,55 +148,65 @@ pub async fn start(
     let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
     let mut tasks = Vec::new();
 
-    let host_controller = metalhost::controller(client.clone(), namespace);
-    let hosts = host_controller.store();
+    // One watch per kind, shared by every controller and the boot service.
+    let reflectors = crate::stores::Reflectors::new();
+    let stores = reflectors.stores();
+    let host_controller = metalhost::controller(
+        client.clone(),
+        namespace,
+        &stores,
+        reflectors.hosts.subscribe(),
+        reflectors.metal_machines.subscribe(),
+    );
     let host_ctx = Arc::new(metalhost::HostContext {
         client: client.clone(),
         connector: connector.clone(),
+        stores: stores.clone(),
         events: Events::new(client.clone(), "metalboot-metalhost"),
         backoff: Backoff::default(),
         poll_interval: opts.power_poll_interval,
+        graceful_off: opts.graceful_off,
+        power_requests: Default::default(),
         watch_filter: watch_filter.clone(),
     });
 
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
     let callbacks = futures::stream::unfold(callback_rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|n| (ObjectRef::new(&n.metal_machine).within(&n.namespace), rx))
+        rx.recv().await.map(|n| (n, rx))
     });
-    let machine_controller =
-        metalmachine::controller(client.clone(), namespace).reconcile_on(callbacks);
-    let machines = machine_controller.store();
+    let machine_controller = metalmachine::controller(
+        &stores,
+        crate::controllers::Subscriptions::new(&reflectors),
+        callbacks,
+    );
     let machine_ctx = Arc::new(metalmachine::MachineContext {
         client: client.clone(),
         connector,
-        hosts: hosts.clone(),
+        stores: stores.clone(),
         events: Events::new(client.clone(), "metalboot-metalmachine"),
         backoff: Backoff::default(),
-        graceful_off: opts.graceful_off,
-        deprovision_timeout: opts.deprovision_timeout,
+        policy: metalmachine::decide::Policy {
+            graceful_off: opts.graceful_off,
+            deprovision_timeout: opts.deprovision_timeout,
+        },
         watch_filter: watch_filter.clone(),
-        power_off_requests: Default::default(),
+        power_requests: Default::default(),
+        expectations: Default::default(),
     });
     let cluster_controller = metalcluster::controller(client.clone(), namespace);
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
-        hosts: hosts.clone(),
+        hosts: stores.hosts.clone(),
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),
     });
+    reflectors.run(client.clone(), namespace);
 
-    let secrets: Api<Secret> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let boot_secrets = watch_store(secrets, watcher::Config::default().labels(BOOT_TOKEN_LABEL));
     let state = Arc::new(BootState::new(
         BootStores {
-            hosts,
-            machines,
-            boot_secrets,
+            hosts: stores.hosts.clone(),
+            machines: stores.metal_machines.clone(),
+            boot_secrets: stores.boot_secrets.clone(),
         },
         BootConfig {
             base_url: base_url.clone(),

@@ -106,3 +106,70 @@ where
         }
     }
 }
+
+/// The reflectors of the manager: one watch per kind, shared by every controller and the boot
+/// service. Malformed Machines and Clusters (an upstream CRD newer than our types, or a
+/// permissive one) come through as `DeserializeGuard` errors instead of stalling the watch.
+pub struct Reflectors {
+    pub hosts: SharedStore<crate::api::MetalHost>,
+    pub metal_machines: SharedStore<crate::api::MetalMachine>,
+    pub machines: SharedStore<kube::core::DeserializeGuard<crate::api::Machine>>,
+    pub clusters: SharedStore<kube::core::DeserializeGuard<crate::api::Cluster>>,
+    pub metal_clusters: SharedStore<crate::api::MetalCluster>,
+    pub boot_secrets: SharedStore<k8s_openapi::api::core::v1::Secret>,
+}
+
+impl Default for Reflectors {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Reflectors {
+    pub fn new() -> Self {
+        Reflectors {
+            hosts: SharedStore::new(),
+            metal_machines: SharedStore::new(),
+            machines: SharedStore::new(),
+            clusters: SharedStore::new(),
+            metal_clusters: SharedStore::new(),
+            boot_secrets: SharedStore::new(),
+        }
+    }
+
+    /// Readers of every store (cheap clones).
+    pub fn stores(&self) -> crate::controllers::SharedStores {
+        crate::controllers::SharedStores {
+            hosts: self.hosts.store.clone(),
+            metal_machines: self.metal_machines.store.clone(),
+            machines: self.machines.store.clone(),
+            clusters: self.clusters.store.clone(),
+            metal_clusters: self.metal_clusters.store.clone(),
+            boot_secrets: self.boot_secrets.store.clone(),
+        }
+    }
+
+    /// Starts every watch (after all controllers subscribed), in `namespace` or everywhere.
+    pub fn run(self, client: kube::Client, namespace: Option<&str>) {
+        fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+        where
+            K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+            K::DynamicType: Default,
+        {
+            match namespace {
+                Some(ns) => Api::namespaced(client.clone(), ns),
+                None => Api::all(client.clone()),
+            }
+        }
+        let all = watcher::Config::default;
+        self.hosts.run(api(&client, namespace), all());
+        self.metal_machines.run(api(&client, namespace), all());
+        self.machines.run(api(&client, namespace), all());
+        self.clusters.run(api(&client, namespace), all());
+        self.metal_clusters.run(api(&client, namespace), all());
+        self.boot_secrets.run(
+            api(&client, namespace),
+            all().labels(crate::boot::tokens::BOOT_TOKEN_LABEL),
+        );
+    }
+}

@@ -297,8 +297,6 @@ async fn invalid_objects_are_rejected_with_a_message_naming_the_field() {
         Create(Value),
         /// Create the first object, then update it into the second.
         Update(Value, Value),
-        /// Create the object, then write the given status.
-        Status(Value, Value),
     }
     let long_id = format!("metalboot://ns/{}", "x".repeat(600));
     let cases: Vec<(&str, Step, &str)> = vec![
@@ -405,19 +403,27 @@ async fn invalid_objects_are_rejected_with_a_message_naming_the_field() {
         ),
         (
             "consumerRef of the wrong kind",
-            Step::Status(
-                host("h11", good_host_spec()),
-                json!({"consumerRef": {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u"}}),
-            ),
-            "status.consumerRef",
+            Step::Create(host(
+                "h11",
+                with(
+                    good_host_spec(),
+                    &["consumerRef"],
+                    json!({"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": "n"}),
+                ),
+            )),
+            "spec.consumerRef",
         ),
         (
-            "consumerRef without uid",
-            Step::Status(
-                host("h12", good_host_spec()),
-                json!({"consumerRef": {"apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine", "name": "m"}}),
-            ),
-            "status.consumerRef.uid",
+            "consumerRef without namespace",
+            Step::Create(host(
+                "h12",
+                with(
+                    good_host_spec(),
+                    &["consumerRef"],
+                    json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine", "name": "m"}),
+                ),
+            )),
+            "spec.consumerRef.namespace",
         ),
         (
             "boot profile missing",
@@ -601,23 +607,6 @@ async fn invalid_objects_are_rejected_with_a_message_naming_the_field() {
                 api.replace(&name, &PostParams::default(), &updated)
                     .await
                     .map(|_| ())
-            }
-            Step::Status(obj, status) => {
-                let api = api_for(client, &ns.name, &obj);
-                let name = obj["metadata"]["name"].as_str().expect("name").to_string();
-                api.create(
-                    &PostParams::default(),
-                    &serde_json::from_value(obj).expect("object"),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("{what}: the valid object was rejected: {e}"));
-                api.patch_status(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"status": status})),
-                )
-                .await
-                .map(|_| ())
             }
         };
         match result {

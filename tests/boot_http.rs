@@ -425,3 +425,108 @@ async fn the_chain_with_curl_over_a_socket() {
         "the socket's peer address is recorded"
     );
 }
+
+/// A store frozen at `objects`: the boot service decides from it while the apiserver moves on,
+/// which is exactly the race between a late callback and a replaced attempt.
+fn frozen<K>(objects: Vec<K>) -> kube::runtime::reflector::Store<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    use kube::runtime::watcher::Event;
+    let (store, mut writer) = kube::runtime::reflector::store();
+    writer.apply_watcher_event(&Event::Init);
+    for o in objects {
+        writer.apply_watcher_event(&Event::InitApply(o));
+    }
+    writer.apply_watcher_event(&Event::InitDone);
+    store
+}
+
+#[tokio::test]
+async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
+    use metalboot::api::{MetalHost, MetalMachine};
+    use metalboot::boot::http::{BootConfig, BootStores};
+    let Fixture { ns, record } = fixture("boot-late").await;
+    let client = &ns.client;
+    let hosts: Vec<MetalHost> = Api::namespaced(client.clone(), &ns.name)
+        .list(&ListParams::default())
+        .await
+        .expect("hosts")
+        .items;
+    let machines: Vec<MetalMachine> = Api::namespaced(client.clone(), &ns.name)
+        .list(&ListParams::default())
+        .await
+        .expect("machines")
+        .items;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let attempt_1 = secrets.get(&record.secret_name).await.expect("boot Secret");
+    let frozen_stores = || BootStores {
+        hosts: frozen(hosts.clone()),
+        machines: frozen(machines.clone()),
+        boot_secrets: frozen(vec![attempt_1.clone()]),
+    };
+    let config = || BootConfig {
+        base_url: BASE.into(),
+        pin_source_ip: false,
+        sentinel_wait_seconds: 600,
+    };
+    let callback = |token: &str| {
+        Request::post(format!("/callback/{token}"))
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"hostname":"host-0","addresses":["10.0.2.15"]}"#,
+            ))
+            .expect("req")
+    };
+
+    // Attempt 1 times out and is replaced by attempt 2 (new token) in the apiserver, while the
+    // boot service still sees attempt 1: the late callback of attempt 1 must be refused.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let stale =
+        Arc::new(BootState::new(frozen_stores(), config(), client.clone(), tx).expect("state"));
+    stale.wait_for_stores().await;
+    secrets
+        .replace(
+            &record.secret_name,
+            &Default::default(),
+            &tokens::next_attempt(&attempt_1),
+        )
+        .await
+        .expect("attempt 2");
+    let (status, body) = request(&stale, callback(record.token.expose()), Some("10.0.2.15")).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{}", text(&body));
+    let attempt_2 =
+        tokens::parse_boot_secret(&secrets.get(&record.secret_name).await.expect("get"))
+            .expect("parse");
+    assert_eq!(attempt_2.attempt, 2);
+    assert!(
+        attempt_2.callback.is_none(),
+        "attempt 2 was not marked booted by attempt 1's callback"
+    );
+
+    // Twenty concurrent callbacks with one valid token: exactly one is recorded.
+    let current = secrets.get(&record.secret_name).await.expect("get");
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let stores = BootStores {
+        boot_secrets: frozen(vec![current]),
+        ..frozen_stores()
+    };
+    let state = Arc::new(BootState::new(stores, config(), client.clone(), tx).expect("state"));
+    state.wait_for_stores().await;
+    let token = attempt_2.token.expose().to_string();
+    let answers = futures::future::join_all(
+        (0..20).map(|_| request(&state, callback(&token), Some("10.0.2.15"))),
+    )
+    .await;
+    let accepted = answers.iter().filter(|(s, _)| *s == StatusCode::OK).count();
+    let refused = answers
+        .iter()
+        .filter(|(s, _)| *s == StatusCode::CONFLICT)
+        .count();
+    assert_eq!(
+        (accepted, refused),
+        (1, 19),
+        "{:?}",
+        answers.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
+}

@@ -103,6 +103,7 @@ impl Lab {
                 boot_mode: None,
                 online: true,
                 description: None,
+                consumer_ref: None,
             },
         );
         Api::<MetalHost>::namespaced(self.ns.client.clone(), &self.ns.name)
@@ -327,10 +328,19 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         Some(BootDevice::Pxe),
         "one-time PXE boot set: {boot:?}"
     );
-    assert_eq!(
-        lab.metal_host("host-0").await.status.and_then(|s| s.state),
-        Some(HostState::Provisioning)
-    );
+    support::eventually("host-0 shown Provisioning", 30, || async {
+        (lab.metal_host("host-0").await.status.and_then(|s| s.state)
+            == Some(HostState::Provisioning))
+        .then_some(())
+    })
+    .await;
+    let mm_uid = lab
+        .metal_machine("m1")
+        .await
+        .and_then(|m| m.uid())
+        .expect("MetalMachine uid");
+    // Unique per provisioning: a Node left by this host's previous tenant cannot match.
+    let expected_provider_id = format!("metalboot://{}/host-0/{mm_uid}", lab.ns.name);
 
     let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
     let http = reqwest::Client::new();
@@ -343,7 +353,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         .await
         .expect("text");
     assert!(
-        meta.contains(&format!("provider-id: metalboot://{}/host-0", lab.ns.name)),
+        meta.contains(&format!("provider-id: {expected_provider_id}")),
         "{meta}"
     );
     let user_data = http
@@ -379,7 +389,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     .await;
     assert_eq!(
         mm.spec.provider_id.as_deref(),
-        Some(format!("metalboot://{}/host-0", lab.ns.name).as_str())
+        Some(expected_provider_id.as_str())
     );
     let status = mm.status.clone().expect("status");
     assert_eq!(
@@ -438,10 +448,12 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         "reset requests at the BMC: {:?}",
         lab.posts()
     );
-    let host = lab.metal_host("host-0").await;
-    let host_status = host.status.expect("status");
-    assert_eq!(host_status.state, Some(HostState::Available));
-    assert!(host_status.consumer_ref.is_none());
+    let host = support::eventually("host-0 Available again", 30, || async {
+        let host = lab.metal_host("host-0").await;
+        (host.status.as_ref()?.state == Some(HostState::Available)).then_some(host)
+    })
+    .await;
+    assert!(host.spec.consumer_ref.is_none(), "the claim is released");
     drop(manager);
 }
 
@@ -519,9 +531,16 @@ async fn deletion_with_an_unreachable_bmc_marks_the_host_and_releases_the_machin
         lab.metal_machine("m1").await.is_none().then_some(())
     })
     .await;
-    let host = lab.metal_host("host-0").await.status.expect("status");
-    assert_eq!(host.state, Some(HostState::Error));
-    assert!(host.consumer_ref.is_none());
+    let released = support::eventually("host-0 in Error", 30, || async {
+        let host = lab.metal_host("host-0").await;
+        (host.status.as_ref()?.state == Some(HostState::Error)).then_some(host)
+    })
+    .await;
+    assert!(
+        released.spec.consumer_ref.is_none(),
+        "the claim is released"
+    );
+    let host = released.status.expect("status");
     assert!(
         host.error_message
             .as_deref()
@@ -553,13 +572,7 @@ async fn ten_machines_race_for_three_hosts() {
         let hosts = hosts_api.list(&ListParams::default()).await.ok()?.items;
         let consumers: Vec<String> = hosts
             .iter()
-            .filter_map(|h| {
-                h.status
-                    .as_ref()?
-                    .consumer_ref
-                    .as_ref()
-                    .map(|c| c.name.clone())
-            })
+            .filter_map(|h| h.spec.consumer_ref.as_ref().map(|c| c.name.clone()))
             .collect();
         (consumers.len() == 3).then_some(consumers)
     })
@@ -581,7 +594,11 @@ async fn ten_machines_race_for_three_hosts() {
                     .is_some_and(|c| c.0 == "False" && c.1 == "NoHostAvailable")
             })
             .count();
-        (waiting == 7).then_some(all)
+        let holding = all
+            .iter()
+            .filter(|m| m.status.as_ref().is_some_and(|s| s.host_ref.is_some()))
+            .count();
+        (waiting == 7 && holding == 3).then_some(all)
     })
     .await;
     let with_hosts: Vec<String> = machines
@@ -687,4 +704,157 @@ async fn wrong_credentials_put_the_host_in_error_and_fixing_the_secret_recovers_
             .then_some(())
     })
     .await;
+}
+
+/// Plays the host of `m1` on `host-0` through the boot chain and its callback, and waits until
+/// the MetalMachine is ready and its token is gone.
+async fn provision_m1(lab: &Lab, manager: &RunningManager) {
+    support::eventually("host powered for provisioning", 60, || async {
+        lab.boot_secret("m1").await.filter(|s| {
+            s.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
+        })
+    })
+    .await;
+    let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
+    let callback = seed
+        .replace("/nocloud/", "/callback/")
+        .trim_end_matches('/')
+        .to_string();
+    let answer = reqwest::Client::new()
+        .post(&callback)
+        .body("{}")
+        .send()
+        .await
+        .expect("callback");
+    assert_eq!(answer.status(), 200);
+    support::eventually("MetalMachine ready, token gone", 30, || async {
+        let ready = lab
+            .metal_machine("m1")
+            .await
+            .filter(|m| m.status.as_ref().is_some_and(|s| s.ready))?;
+        lab.boot_secret("m1").await.is_none().then_some(ready)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_host_restored_from_a_backup_keeps_its_consumer_and_is_left_alone() {
+    let lab = lab("restore", 1).await;
+    lab.host(0).await;
+    lab.machine("m1", None, None).await;
+    let manager = lab.manager().await;
+    provision_m1(&lab, &manager).await;
+    // sushy applies power actions 1–11 s after the request: wait until the node is really on.
+    let bmc = lab.bmc(0);
+    support::eventually("the node is on", 60, || async {
+        (power_of(&bmc).await == Some(PowerState::On)).then_some(())
+    })
+    .await;
+    let backup = lab.metal_host("host-0").await;
+    assert!(backup.spec.consumer_ref.is_some(), "the claim is in spec");
+    drop(manager);
+    let resets_before = lab.resets();
+
+    // The host is lost and re-created from a backup: spec (with its consumerRef), no status.
+    let hosts: Api<MetalHost> = Api::namespaced(lab.ns.client.clone(), &lab.ns.name);
+    hosts
+        .delete("host-0", &DeleteParams::default())
+        .await
+        .expect("delete host");
+    support::eventually("host gone", 30, || async {
+        hosts.get_opt("host-0").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let mut restored = MetalHost::new("host-0", backup.spec.clone());
+    restored.metadata.labels = backup.metadata.labels.clone();
+    let restored = hosts
+        .create(&PostParams::default(), &restored)
+        .await
+        .expect("restore host");
+    let manager = lab.manager().await;
+    // Positive signals: the host controller registered it as its consumer's (never Available),
+    // and the MetalMachine controller decided from the restored host (its hostRef names it).
+    support::eventually("restored host shown Provisioned", 60, || async {
+        (lab.metal_host("host-0").await.status?.state == Some(HostState::Provisioned)).then_some(())
+    })
+    .await;
+    let mm = support::eventually(
+        "MetalMachine associated with the restored host",
+        30,
+        || async {
+            lab.metal_machine("m1").await.filter(|m| {
+                m.status
+                    .as_ref()
+                    .and_then(|s| s.host_ref.as_ref())
+                    .and_then(|r| r.uid.clone())
+                    == restored.metadata.uid
+            })
+        },
+    )
+    .await;
+    assert!(mm.status.is_some_and(|s| s.ready), "still ready");
+    assert_eq!(lab.resets(), resets_before, "no power action at the BMC");
+    assert_eq!(power_of(&bmc).await, Some(PowerState::On), "still running");
+    assert!(lab.boot_secret("m1").await.is_none(), "no new boot attempt");
+    drop(manager);
+}
+
+#[tokio::test]
+async fn a_malformed_machine_does_not_stop_another_machine_from_provisioning() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let lab = lab("malformed", 1).await;
+    lab.host(0).await;
+    // A permissive Machine CRD (as a newer or foreign schema might be) lets a Machine with a
+    // wrong field type in; the stored object stays malformed whatever the CRD says later.
+    let crds: Api<CustomResourceDefinition> = Api::all(lab.ns.client.clone());
+    let machines: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        lab.ns.client.clone(),
+        &lab.ns.name,
+        &kube::api::ApiResource::erase::<Machine>(&()),
+    );
+    let bad: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+        "metadata": {"name": "malformed"},
+        "spec": {"clusterName": 42, "bootstrap": "nope", "infrastructureRef": ["x"]},
+    }))
+    .expect("object");
+    support::eventually("the malformed Machine is stored", 60, || async {
+        let mut crd = crds.get("machines.cluster.x-k8s.io").await.ok()?;
+        for v in &mut crd.spec.versions {
+            v.schema = Some(
+                serde_json::from_value(serde_json::json!({"openAPIV3Schema": {
+                "type": "object", "x-kubernetes-preserve-unknown-fields": true}}))
+                .ok()?,
+            );
+        }
+        crd.metadata.managed_fields = None;
+        crds.replace("machines.cluster.x-k8s.io", &PostParams::default(), &crd)
+            .await
+            .ok()?;
+        machines
+            .create(&PostParams::default(), &bad)
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    lab.machine("m1", None, None).await;
+    let _manager = lab.manager().await;
+    support::eventually("m1 claimed its host and powered it on", 60, || async {
+        lab.boot_secret("m1").await.filter(|s| {
+            s.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
+        })
+    })
+    .await;
+    let stored = machines.get("malformed").await.expect("still there");
+    assert_eq!(
+        stored.data["spec"]["clusterName"], 42,
+        "and still malformed"
+    );
 }

@@ -220,6 +220,11 @@ pub struct MachineBootstrap {
     /// Secret holding the bootstrap data (set by a user, or copied from the config's status).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_secret_name: Option<String>,
+    /// Inline bootstrap data (seeds 000/003): when set, the machine is ready for bootstrapping and
+    /// no bootstrap config is consulted. Honoured in standalone mode; upstream v1beta2 has no
+    /// such field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
     /// Upstream fields metalboot does not model, kept as they are.
     #[serde(flatten)]
     #[schemars(skip)]

@@ -38,7 +38,7 @@ use super::common::{Condition, conditions_schema};
     printcolumn(
         name = "Consumer",
         type_ = "string",
-        json_path = ".status.consumerRef.name",
+        json_path = ".spec.consumerRef.name",
         description = "MetalMachine using the host"
     ),
     printcolumn(
@@ -87,6 +87,13 @@ pub struct MetalHostSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub description: Option<String>,
+    /// The MetalMachine using this host. Written by the MetalMachine controller with a
+    /// resourceVersion precondition, so one host has at most one consumer. It lives in spec, not
+    /// status, because `clusterctl move` and backups keep spec: a restored host whose consumer
+    /// exists stays claimed by it (never re-registered as Available, never power-cycled).
+    /// Matched by kind, namespace and name, never by UID (UIDs change on move).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_ref: Option<ConsumerReference>,
 }
 
 fn default_true() -> bool {
@@ -189,10 +196,6 @@ pub struct MetalHostStatus {
     /// Hardware inventory read from the BMC once at registration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<HardwareInventory>,
-    /// The MetalMachine that claimed this host; set atomically (resourceVersion) so one host has
-    /// at most one consumer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub consumer_ref: Option<ConsumerReference>,
     /// Kind of the fault when state is Error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_type: Option<HostErrorType>,
@@ -211,7 +214,7 @@ pub struct MetalHostStatus {
 /// Who is using a host.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.kind == 'MetalMachine' && self.apiVersion.startsWith('infrastructure.cluster.x-k8s.io/')").message("status.consumerRef must reference an infrastructure.cluster.x-k8s.io MetalMachine"))]
+#[x_kube(validation = Rule::new("self.kind == 'MetalMachine' && self.apiVersion.startsWith('infrastructure.cluster.x-k8s.io/')").message("spec.consumerRef must reference an infrastructure.cluster.x-k8s.io MetalMachine"))]
 pub struct ConsumerReference {
     /// API version of the consumer, e.g. `infrastructure.cluster.x-k8s.io/v1alpha1`.
     #[schemars(length(min = 1, max = 317))]
@@ -219,12 +222,29 @@ pub struct ConsumerReference {
     /// Kind of the consumer (`MetalMachine`).
     #[schemars(length(min = 1, max = 63))]
     pub kind: String,
-    /// Name of the consumer, in the host's namespace.
+    /// Name of the consumer.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    /// UID of the consumer, so a recreated MetalMachine of the same name is not mistaken for it.
-    #[schemars(length(min = 1, max = 64))]
-    pub uid: String,
+    /// Namespace of the consumer; MetalMachines only claim hosts in their own namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+}
+
+impl ConsumerReference {
+    /// The reference to a MetalMachine.
+    pub fn to_metal_machine(name: &str, namespace: &str) -> Self {
+        ConsumerReference {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "MetalMachine".into(),
+            name: name.into(),
+            namespace: namespace.into(),
+        }
+    }
+
+    /// Whether this reference names the MetalMachine `namespace/name`.
+    pub fn is_metal_machine(&self, namespace: &str, name: &str) -> bool {
+        self.kind == "MetalMachine" && self.name == name && self.namespace == namespace
+    }
 }
 
 /// Hardware facts reported by the BMC.

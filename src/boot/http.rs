@@ -487,8 +487,7 @@ async fn host_script(
     let host = state.host_by_mac(&mac);
     let consumer = host
         .as_ref()
-        .and_then(|h| h.status.as_ref())
-        .and_then(|s| s.consumer_ref.as_ref())
+        .and_then(|h| h.spec.consumer_ref.as_ref())
         .map(|c| c.name.clone());
     let namespace = host
         .as_ref()
@@ -669,6 +668,67 @@ async fn nocloud_document(
     }
 }
 
+/// Why a callback could not be recorded.
+enum CallbackWrite {
+    /// The attempt the token belongs to is gone: replaced by a later attempt (new token), or
+    /// another request already recorded its callback. Never retried.
+    Superseded,
+    /// The apiserver could not be written; the host should retry.
+    Failed(String),
+}
+
+/// Records `received` on the boot Secret of `record`'s attempt, with a resourceVersion
+/// precondition: a late callback of attempt N can never land on attempt N+1's Secret, and of
+/// concurrent callbacks with one token exactly one wins. A conflict caused by an unrelated
+/// write (the controller noting the power-on) is retried against a fresh read, as long as that
+/// read is still the same attempt with the same token and no callback yet.
+async fn record_callback(
+    secrets: &Api<Secret>,
+    record: &BootRecord,
+    received: &CallbackRecord,
+) -> Result<(), CallbackWrite> {
+    const ATTEMPTS: usize = 3;
+    let mut current = record.clone();
+    for _ in 0..ATTEMPTS {
+        let Some(resource_version) = current.resource_version.clone() else {
+            return Err(CallbackWrite::Superseded);
+        };
+        let mut patch = tokens::callback_patch(received)
+            .map_err(|e| CallbackWrite::Failed(format!("encoding the callback record: {e}")))?;
+        patch["metadata"] = serde_json::json!({ "resourceVersion": resource_version });
+        match secrets
+            .patch(
+                &record.secret_name,
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => return Err(CallbackWrite::Superseded),
+            Err(e) => return Err(CallbackWrite::Failed(e.to_string())),
+        }
+        let fresh = match secrets.get_opt(&record.secret_name).await {
+            Ok(Some(secret)) => {
+                tokens::parse_boot_secret(&secret).map_err(|_| CallbackWrite::Superseded)?
+            }
+            Ok(None) => return Err(CallbackWrite::Superseded),
+            Err(e) => return Err(CallbackWrite::Failed(e.to_string())),
+        };
+        let same_attempt = fresh.attempt == record.attempt
+            && fresh.token.matches(record.token.expose())
+            && fresh.callback.is_none();
+        if !same_attempt {
+            return Err(CallbackWrite::Superseded);
+        }
+        current = fresh;
+    }
+    Err(CallbackWrite::Failed(
+        "the boot Secret kept changing; retry".into(),
+    ))
+}
+
 async fn callback(
     State(state): State<Arc<BootState>>,
     Path(token): Path<String>,
@@ -704,25 +764,25 @@ async fn callback(
         source_ip: ip,
         received_at: jiff::Timestamp::now().to_string(),
     };
-    let patch = match tokens::callback_patch(&received) {
-        Ok(p) => p,
-        Err(e) => return internal_error("encoding the callback record failed", e),
-    };
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
-    if let Err(e) = secrets
-        .patch(
-            &record.secret_name,
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
-        // The host retries; nothing is lost by answering 503.
-        tracing::error!(route = "/callback", machine = %record.metal_machine, error = %e, "could not record the callback");
-        return text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "could not record the callback, retry\n".into(),
-        );
+    match record_callback(&secrets, &record, &received).await {
+        Ok(()) => {}
+        Err(CallbackWrite::Superseded) => {
+            tracing::warn!(route = "/callback", machine = %record.metal_machine, attempt = record.attempt, client = ?ip, "callback of an attempt that was replaced or already called back");
+            crate::metrics::record_callback("superseded");
+            return text(
+                StatusCode::CONFLICT,
+                "this boot attempt was replaced or has already called back\n".into(),
+            );
+        }
+        Err(CallbackWrite::Failed(e)) => {
+            // The host retries; nothing is lost by answering 503.
+            tracing::error!(route = "/callback", machine = %record.metal_machine, error = %e, "could not record the callback");
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "could not record the callback, retry\n".into(),
+            );
+        }
     }
     tracing::info!(route = "/callback", machine = %record.metal_machine, host = %record.host, attempt = record.attempt, client = ?ip, addresses = ?received.addresses, "bootstrap succeeded");
     crate::metrics::record_callback("accepted");

@@ -175,16 +175,26 @@ pub fn choose_script(
         host: host_name.clone(),
         state: why.to_string(),
     };
-    // Only a host that is provisioning, for the consumer the boot Secret names, whose attempt has
-    // not called back yet, gets a kernel. Everything else boots its disk.
-    if state != HostState::Provisioning {
+    // Only a host claimed (spec.consumerRef) by the machine the boot Secret names, whose attempt
+    // has not called back yet, gets a kernel. Everything else boots its disk. The claim is read
+    // from spec, not from the host controller's `state`, which may lag the claim by a moment;
+    // states that forbid booting still win.
+    if host.spec.consumer_ref.is_none()
+        || matches!(
+            state,
+            HostState::Provisioned | HostState::Deprovisioning | HostState::Error
+        )
+    {
         return idle(&format!("{state:?}"));
     }
     let (Some(machine), Some(record)) = (machine, record) else {
         return idle("Provisioning but not yet ready to boot");
     };
-    let consumer = host.status.as_ref().and_then(|s| s.consumer_ref.as_ref());
+    let consumer = host.spec.consumer_ref.as_ref();
     let machine_name = machine.metadata.name.clone().unwrap_or_default();
+    if machine.spec.provider_id.is_some() {
+        return idle("already provisioned");
+    }
     if consumer.map(|c| c.name.as_str()) != Some(machine_name.as_str())
         || record.metal_machine != machine_name
         || record.host != host_name
@@ -260,16 +270,11 @@ mod tests {
                 boot_mode: None,
                 online: true,
                 description: None,
+                consumer_ref: consumer.map(|name| ConsumerReference::to_metal_machine(name, "ns")),
             },
         );
         h.status = Some(MetalHostStatus {
             state: Some(state),
-            consumer_ref: consumer.map(|name| ConsumerReference {
-                api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
-                kind: "MetalMachine".into(),
-                name: name.into(),
-                uid: "uid".into(),
-            }),
             ..Default::default()
         });
         h

@@ -225,7 +225,9 @@ async fn write_status(
         return Ok(());
     }
     let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
-    apply_status(&api, &m.name_any(), FIELD_MANAGER, &status).await
+    apply_status(&api, &m.name_any(), FIELD_MANAGER, &status)
+        .await
+        .map(|_| ())
 }
 
 /// For status written on the way to a requeue: the requeue matters more, the failure is logged.

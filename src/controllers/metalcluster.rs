@@ -217,6 +217,7 @@ mod tests {
                 boot_mode: None,
                 online: true,
                 description: None,
+                consumer_ref: None,
             },
         );
         h.metadata.namespace = Some(ns.into());

@@ -1,63 +1,69 @@
 //! MetalHost controller: registers hosts (credentials + a BMC that answers → Available, or Error
 //! with the fault), reads inventory once, polls power politely, and holds `online: false` hosts
-//! powered off. It never provisions: claiming and booting belong to the MetalMachine controller.
+//! powered off. It is the only writer of MetalHost status: `state` is derived from the claim in
+//! `spec.consumerRef` (written by the MetalMachine controller) and the consumer's own status, so
+//! a host restored from a backup with its consumerRef is never shown Available, and nobody else's
+//! write can erase a field of ours. It never provisions: claiming and booting belong to the
+//! MetalMachine controller.
+//!
+//! Where to look: [`plan`] (what to do with the BMC this pass) and [`desired_state`] (which
+//! state the host is in) are pure and table-tested below.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
-use kube::api::{Api, Patch};
+use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
+use tracing::Instrument;
 
 use crate::api::metalhost::{
     HardwareInventory, HostErrorType, HostState, MetalHostStatus, PowerState,
 };
-use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost};
-use crate::bmc::{Bmc, PowerAction};
+use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
+use crate::bmc::Bmc;
 
 use super::conditions::{self, Want};
 use super::hostbmc::{BmcConnector, load_target};
-use super::{Backoff, Events, ReconcileError, key};
+use super::metalmachine::DEPROVISION_FAILED_ANNOTATION;
+use super::power::{PowerOffStep, PowerRequests, power_off_step};
+use super::{Backoff, Events, ReconcileError, SharedStores, key};
+
+pub use super::power::Fault;
 
 pub const FIELD_MANAGER: &str = "metalboot-metalhost";
+pub const CONTROLLER: &str = "metalhost";
 /// Condition: credentials were accepted by a BMC that answered.
 pub const REGISTERED: &str = "Registered";
 /// Condition: the last BMC call succeeded.
 pub const BMC_REACHABLE: &str = "BmcReachable";
 /// Condition: reconciliation is paused by annotation.
 pub const PAUSED: &str = "Paused";
+/// Condition: the operator holds the host off (`spec.online: false`); its transition time is
+/// when the hold began, from which the graceful period runs.
+pub const HELD_OFF: &str = "PoweredOffByOperator";
+/// Condition: the MetalMachine in `spec.consumerRef` exists.
+pub const CONSUMER_FOUND: &str = "ConsumerFound";
 
-/// A BMC or credentials fault, as a condition reason and a message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault {
-    pub reason: &'static str,
-    pub message: String,
-}
-
-/// What the controller does with a host this time.
+/// What the controller does with the BMC this time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostPlan {
     Paused,
     /// Check credentials and BMC; read inventory if missing.
     Register,
-    /// Power the host off (operator set `online: false`); `force` after the grace period.
-    HoldOff {
-        force: bool,
-    },
+    /// Power the host off (operator set `online: false`), per the shared power-off policy.
+    HoldOff,
     /// Read the power state.
     Poll,
-    /// Nothing to do until then.
+    /// Nothing to do with the BMC until then (status may still change).
     Wait(Duration),
 }
-
-/// Seconds a graceful power-off gets before it is forced.
-pub const GRACEFUL_OFF_SECONDS: i64 = 60;
 
 pub fn plan(host: &MetalHost, now: jiff::Timestamp, poll_interval: Duration) -> HostPlan {
     if host.annotations().contains_key(HOST_PAUSED_ANNOTATION) {
@@ -65,21 +71,11 @@ pub fn plan(host: &MetalHost, now: jiff::Timestamp, poll_interval: Duration) -> 
     }
     let status = host.status.clone().unwrap_or_default();
     let registered = conditions::is_true(&status.conditions, REGISTERED);
-    let state = status.state.unwrap_or_default();
-    if !registered
-        || state == HostState::Registering
-        || status.error_type == Some(HostErrorType::RegistrationError)
-    {
+    if !registered || status.error_type == Some(HostErrorType::RegistrationError) {
         return HostPlan::Register;
     }
     if !host.spec.online && status.power_state != Some(PowerState::Off) {
-        // The grace period runs from when `online` was last observed true (the generation change).
-        let since_change = conditions::get(&status.conditions, "PoweredOffByOperator")
-            .map(|c| now.duration_since(c.last_transition_time.0).as_secs())
-            .unwrap_or(0);
-        return HostPlan::HoldOff {
-            force: since_change >= GRACEFUL_OFF_SECONDS,
-        };
+        return HostPlan::HoldOff;
     }
     let since_check = status
         .last_power_check
@@ -93,6 +89,118 @@ pub fn plan(host: &MetalHost, now: jiff::Timestamp, poll_interval: Duration) -> 
     }
 }
 
+/// The consumer named by `spec.consumerRef`, as the MetalMachine store has it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    /// No claim.
+    Unclaimed,
+    /// Claimed, but the MetalMachine is not (or not yet, after a restore) in the store.
+    Missing,
+    Provisioning,
+    Provisioned,
+    Deleting,
+}
+
+pub fn consumer_of(host: &MetalHost, machines: &Store<MetalMachine>) -> Consumer {
+    let Some(c) = &host.spec.consumer_ref else {
+        return Consumer::Unclaimed;
+    };
+    match machines.get(&ObjectRef::new(&c.name).within(&c.namespace)) {
+        None => Consumer::Missing,
+        Some(mm) if mm.metadata.deletion_timestamp.is_some() => Consumer::Deleting,
+        Some(mm) if mm.spec.provider_id.is_some() => Consumer::Provisioned,
+        Some(_) => Consumer::Provisioning,
+    }
+}
+
+/// The host's lifecycle state, from facts: registration, an abandoned deprovisioning, the claim
+/// and its consumer. A claimed host is never Available; a host whose consumer is missing (a
+/// restore, a move in progress) keeps a busy state and is left alone.
+pub fn desired_state(host: &MetalHost, consumer: Consumer) -> HostState {
+    let status = host.status.clone().unwrap_or_default();
+    if status.error_type == Some(HostErrorType::RegistrationError)
+        || !conditions::is_true(&status.conditions, REGISTERED)
+    {
+        return status.state.unwrap_or_default();
+    }
+    if host
+        .annotations()
+        .contains_key(DEPROVISION_FAILED_ANNOTATION)
+        && consumer == Consumer::Unclaimed
+    {
+        return HostState::Error;
+    }
+    match consumer {
+        Consumer::Unclaimed => HostState::Available,
+        Consumer::Provisioning => HostState::Provisioning,
+        Consumer::Provisioned => HostState::Provisioned,
+        Consumer::Deleting => HostState::Deprovisioning,
+        Consumer::Missing => match status.state {
+            Some(
+                s @ (HostState::Provisioning | HostState::Provisioned | HostState::Deprovisioning),
+            ) => s,
+            _ => HostState::Provisioned,
+        },
+    }
+}
+
+/// Applies the derived state and what goes with it (error fields, the consumer condition).
+fn settle(
+    host: &MetalHost,
+    mut status: MetalHostStatus,
+    consumer: Consumer,
+    now: &Time,
+) -> MetalHostStatus {
+    let generation = host.metadata.generation;
+    let probe = MetalHost {
+        status: Some(status.clone()),
+        ..host.clone()
+    };
+    let state = desired_state(&probe, consumer);
+    status.state = Some(state);
+    if state == HostState::Error && status.error_type != Some(HostErrorType::RegistrationError) {
+        status.error_type = Some(HostErrorType::DeprovisioningError);
+        status.error_message = host
+            .annotations()
+            .get(DEPROVISION_FAILED_ANNOTATION)
+            .map(|m| m.chars().take(2048).collect());
+    } else if status.error_type == Some(HostErrorType::DeprovisioningError) {
+        status.error_type = None;
+        status.error_message = None;
+    }
+    match (consumer, host.spec.consumer_ref.as_ref()) {
+        (Consumer::Unclaimed, _) | (_, None) => {
+            status.conditions.retain(|c| c.type_ != CONSUMER_FOUND)
+        }
+        (Consumer::Missing, Some(c)) => conditions::set(
+            &mut status.conditions,
+            Want::f(
+                CONSUMER_FOUND,
+                "ConsumerMissing",
+                format!(
+                    "spec.consumerRef names MetalMachine {}/{}, which does not exist; the host is left as it is (clear spec.consumerRef to free it)",
+                    c.namespace, c.name
+                ),
+            ),
+            generation,
+            now,
+        ),
+        (_, Some(c)) => conditions::set(
+            &mut status.conditions,
+            Want::t(
+                CONSUMER_FOUND,
+                "ConsumerFound",
+                format!("claimed by MetalMachine {}/{}", c.namespace, c.name),
+            ),
+            generation,
+            now,
+        ),
+    }
+    if host.spec.online {
+        status.conditions.retain(|c| c.type_ != HELD_OFF);
+    }
+    status
+}
 /// Status after a registration attempt.
 pub fn registration_status(
     host: &MetalHost,
@@ -104,13 +212,8 @@ pub fn registration_status(
     status.observed_generation = generation;
     match result {
         Ok((power, inventory)) => {
-            let state = status.state.unwrap_or_default();
-            let busy = status.consumer_ref.is_some()
-                && matches!(
-                    state,
-                    HostState::Provisioning | HostState::Provisioned | HostState::Deprovisioning
-                );
-            status.state = Some(if busy { state } else { HostState::Available });
+            // The state proper is settled from the claim (see `desired_state`).
+            status.state = Some(HostState::Available);
             status.error_type = None;
             status.error_message = None;
             status.power_state = Some(power);
@@ -188,60 +291,32 @@ pub fn poll_status(
 pub struct HostContext {
     pub client: kube::Client,
     pub connector: Arc<dyn BmcConnector>,
+    pub stores: SharedStores,
     pub events: Events,
     pub backoff: Backoff,
     pub poll_interval: Duration,
+    /// How long a graceful power-off may take before it is forced (the shared policy).
+    pub graceful_off: Duration,
+    pub power_requests: PowerRequests,
     pub watch_filter: Option<String>,
 }
 
-/// Writes the host controller's status fields with a merge patch, leaving the MetalMachine
-/// controller's `consumerRef` alone. `state` is written only after registration, and then only
-/// if nobody changed the host since we read it (a claim in between must not be overwritten).
+/// Writes the whole status with server-side apply: this controller is its only writer.
 pub async fn write_status(
     api: &Api<MetalHost>,
     host: &MetalHost,
     status: &MetalHostStatus,
-    with_state: bool,
 ) -> Result<(), ReconcileError> {
-    let name = host.name_any();
-    let mut fields = serde_json::json!({
-        "powerState": status.power_state,
-        "lastPowerCheck": status.last_power_check,
-        "hardware": status.hardware,
-        "errorType": status.error_type,
-        "errorMessage": status.error_message,
-        "observedGeneration": status.observed_generation,
-        "conditions": status.conditions,
-    });
-    let mut patch = serde_json::json!({});
-    if with_state {
-        fields["state"] = serde_json::json!(status.state);
-        patch["metadata"] = serde_json::json!({"resourceVersion": host.resource_version()});
+    if host.status.as_ref() == Some(status) {
+        return Ok(());
     }
-    patch["status"] = fields;
-    match api
-        .patch_status(
-            &name,
-            &super::merge_params(FIELD_MANAGER),
-            &Patch::Merge(&patch),
-        )
+    super::apply_status(api, &host.name_any(), FIELD_MANAGER, status)
         .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Err(ReconcileError::Requeue {
-            what: format!("MetalHost {name} changed while registering"),
-            after: Duration::from_millis(500),
-        }),
-        Err(e) => Err(ReconcileError::write(format!("MetalHost {name} status"))(e)),
-    }
+        .map(|_| ())
 }
 
 pub fn fault(e: &crate::bmc::BmcError) -> Fault {
-    crate::metrics::record_bmc_error(e.reason());
-    Fault {
-        reason: e.reason(),
-        message: e.to_string(),
-    }
+    Fault::from_bmc(e)
 }
 
 async fn connect(ctx: &HostContext, host: &MetalHost) -> Result<Arc<dyn Bmc>, Fault> {
@@ -258,12 +333,27 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
     if !super::passes_watch_filter(host.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
+    let started = Instant::now();
+    let span =
+        tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(host.as_ref()));
+    let result = pass(host, &ctx).instrument(span).await;
+    crate::metrics::record_reconcile(
+        CONTROLLER,
+        result.as_ref().err().map(|e| e.category()),
+        started.elapsed(),
+    );
+    result
+}
+
+async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, ReconcileError> {
     let name = host.name_any();
     let api: Api<MetalHost> =
         Api::namespaced(ctx.client.clone(), &host.namespace().unwrap_or_default());
     let now = conditions::now();
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
     let interval = ctx.poll_interval.mul_f64(jitter);
+    let consumer = consumer_of(&host, &ctx.stores.metal_machines);
+    let previous_state = host.status.as_ref().and_then(|s| s.state);
     match plan(&host, now.0, interval) {
         HostPlan::Paused => {
             let mut status = host.status.clone().unwrap_or_default();
@@ -277,11 +367,11 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
                 host.metadata.generation,
                 &now,
             );
-            write_status(&api, &host, &status, false).await?;
+            write_status(&api, &host, &status).await?;
             Ok(Action::await_change())
         }
         HostPlan::Register => {
-            let result = match connect(&ctx, &host).await {
+            let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => match bmc.power_state().await {
                     Err(e) => Err(fault(&e)),
@@ -307,12 +397,15 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
                 },
             };
             let failed = result.as_ref().err().cloned();
-            let was = host.status.as_ref().and_then(|s| s.state);
-            let status = registration_status(&host, result, &now);
-            write_status(&api, &host, &status, true).await?;
+            let mut status = registration_status(&host, result, &now);
+            if failed.is_none() {
+                status = settle(&host, status, consumer, &now);
+            }
+            status.conditions.retain(|c| c.type_ != PAUSED);
+            write_status(&api, &host, &status).await?;
             match failed {
                 Some(f) => {
-                    if was != Some(HostState::Error) {
+                    if previous_state != Some(HostState::Error) {
                         ctx.events
                             .publish(host.as_ref(), true, f.reason, f.message.clone())
                             .await;
@@ -323,7 +416,7 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
                 }
                 None => {
                     ctx.backoff.reset(&key(host.as_ref()));
-                    if was != status.state {
+                    if previous_state != status.state {
                         ctx.events
                             .publish(
                                 host.as_ref(),
@@ -341,74 +434,105 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
                 }
             }
         }
-        HostPlan::HoldOff { force } => {
+        HostPlan::HoldOff => {
+            let host_key = key(host.as_ref());
             let mut status = host.status.clone().unwrap_or_default();
-            let reason = if force { "ForcedOff" } else { "GracefulOff" };
             conditions::set(
                 &mut status.conditions,
-                Want::t(
-                    "PoweredOffByOperator",
-                    "OnlineFalse",
-                    "spec.online is false",
-                ),
+                Want::t(HELD_OFF, "OnlineFalse", "spec.online is false"),
                 host.metadata.generation,
                 &now,
             );
-            let result = match connect(&ctx, &host).await {
-                Err(f) => Err(f),
-                Ok(bmc) => {
-                    let action = if force {
-                        PowerAction::ForceOff
-                    } else {
-                        PowerAction::GracefulOff
-                    };
-                    match bmc.power(action).await {
-                        Err(e) => Err(fault(&e)),
-                        Ok(()) => bmc.power_state().await.map_err(|e| fault(&e)),
+            let since = conditions::get(&status.conditions, HELD_OFF)
+                .map(|c| {
+                    now.0
+                        .duration_since(c.last_transition_time.0)
+                        .unsigned_abs()
+                })
+                .unwrap_or_default();
+            let bmc = connect(ctx, &host).await;
+            let power = match &bmc {
+                Ok(b) => b.power_state().await.map_err(|e| fault(&e)),
+                Err(f) => Err(f.clone()),
+            };
+            let step = power_off_step(
+                power.clone(),
+                since,
+                ctx.graceful_off,
+                None,
+                ctx.power_requests.last(&host_key),
+            );
+            if let (PowerOffStep::Request(action), Ok(b)) = (&step, &bmc) {
+                match b.power(*action).await {
+                    Ok(()) => {
+                        ctx.power_requests.record(&host_key, *action);
+                        ctx.events
+                            .publish(
+                                host.as_ref(),
+                                false,
+                                if *action == crate::bmc::PowerAction::ForceOff {
+                                    "ForcedOff"
+                                } else {
+                                    "GracefulOff"
+                                },
+                                "holding the host powered off: spec.online is false",
+                            )
+                            .await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(host = %name, error = %e, "power-off request failed; will retry")
                     }
                 }
+            }
+            if step == PowerOffStep::Done {
+                ctx.power_requests.forget(&host_key);
+            }
+            let probe = MetalHost {
+                status: Some(status),
+                ..(*host).clone()
             };
-            let status = poll_status(
-                &MetalHost {
-                    status: Some(status),
-                    ..(*host).clone()
-                },
-                result,
-                &now,
-            );
-            write_status(&api, &host, &status, false).await?;
-            ctx.events
-                .publish(
-                    host.as_ref(),
-                    false,
-                    reason,
-                    "holding the host powered off: spec.online is false",
-                )
-                .await;
-            Ok(Action::requeue(Duration::from_secs(10)))
+            let status = settle(&host, poll_status(&probe, power, &now), consumer, &now);
+            write_status(&api, &host, &status).await?;
+            Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
-            let result = match connect(&ctx, &host).await {
+            let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => bmc.power_state().await.map_err(|e| fault(&e)),
             };
-            let mut status = poll_status(&host, result, &now);
-            if host.spec.online {
-                status
-                    .conditions
-                    .retain(|c| c.type_ != "PoweredOffByOperator");
-            }
-            write_status(&api, &host, &status, false).await?;
+            let status = settle(&host, poll_status(&host, result, &now), consumer, &now);
+            write_status(&api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
-        HostPlan::Wait(d) => Ok(Action::requeue(d)),
+        HostPlan::Wait(d) => {
+            // No BMC call due, but the claim or its consumer may have moved on: settle the state.
+            let status = settle(
+                &host,
+                host.status.clone().unwrap_or_default(),
+                consumer,
+                &now,
+            );
+            if status.state != previous_state {
+                // A new state is worth a fresh power reading (a boot or power-off just happened).
+                let result = match connect(ctx, &host).await {
+                    Err(f) => Err(f),
+                    Ok(bmc) => bmc.power_state().await.map_err(|e| fault(&e)),
+                };
+                let probe = MetalHost {
+                    status: Some(status),
+                    ..(*host).clone()
+                };
+                let status = poll_status(&probe, result, &now);
+                write_status(&api, &host, &status).await?;
+                return Ok(Action::requeue(interval));
+            }
+            write_status(&api, &host, &status).await?;
+            Ok(Action::requeue(d))
+        }
     }
 }
 
 fn error_policy(host: Arc<MetalHost>, error: &ReconcileError, ctx: Arc<HostContext>) -> Action {
-    if let Some(after) = error.requeue_after() {
-        return Action::requeue(after);
-    }
     let delay = ctx.backoff.next(&key(host.as_ref()));
     tracing::warn!(host = %key(host.as_ref()), error = %error, retry_in = ?delay, "MetalHost reconcile failed");
     Action::requeue(delay)
@@ -432,28 +556,48 @@ fn hosts_using(
         .collect()
 }
 
-/// Builds the controller; `store()` of the result is the hosts store the others share.
-pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<MetalHost> {
-    let (hosts, secrets): (Api<MetalHost>, Api<PartialObjectMeta<Secret>>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+/// The controller over the shared host stream; a consumer's change (provisioned, deleting)
+/// wakes its host, and a changed credentials Secret re-checks the hosts using it.
+pub fn controller(
+    client: kube::Client,
+    namespace: Option<&str>,
+    stores: &SharedStores,
+    hosts: kube::runtime::reflector::ReflectHandle<MetalHost>,
+    machines: kube::runtime::reflector::ReflectHandle<MetalMachine>,
+) -> Controller<MetalHost> {
+    let secrets: Api<PartialObjectMeta<Secret>> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
-    let controller = Controller::new(hosts, watcher::Config::default());
-    let store = controller.store();
+    let store = stores.hosts.clone();
+    let claimed = stores.hosts.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched).
     let secret_changes = watcher(secrets, watcher::Config::default())
         .default_backoff()
         .touched_objects();
-    controller.watches_stream(secret_changes, move |secret| {
-        hosts_using(
-            &store,
-            &secret.namespace().unwrap_or_default(),
-            &secret.name_any(),
-        )
-    })
+    Controller::for_shared_stream(hosts, stores.hosts.clone())
+        .watches_stream(secret_changes, move |secret| {
+            hosts_using(
+                &store,
+                &secret.namespace().unwrap_or_default(),
+                &secret.name_any(),
+            )
+        })
+        .watches_shared_stream(machines, move |mm: Arc<MetalMachine>| {
+            let namespace = mm.namespace().unwrap_or_default();
+            let name = mm.name_any();
+            claimed
+                .state()
+                .into_iter()
+                .filter(|h| {
+                    h.spec
+                        .consumer_ref
+                        .as_ref()
+                        .is_some_and(|c| c.is_metal_machine(&namespace, &name))
+                })
+                .map(|h| ObjectRef::from_obj(h.as_ref()))
+                .collect::<Vec<_>>()
+        })
 }
 
 pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
@@ -471,7 +615,7 @@ pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::metalhost::{BmcDetails, MetalHostSpec};
+    use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec};
 
     fn at(secs: i64) -> jiff::Timestamp {
         jiff::Timestamp::from_second(1_800_000_000 + secs).unwrap_or(jiff::Timestamp::UNIX_EPOCH)
@@ -491,6 +635,7 @@ mod tests {
                 boot_mode: None,
                 online,
                 description: None,
+                consumer_ref: None,
             },
         );
         h.status = status;
@@ -563,7 +708,7 @@ mod tests {
                     false,
                 ),
                 10,
-                HostPlan::HoldOff { force: false },
+                HostPlan::HoldOff,
             ),
             (
                 "offline host that is off just polls",
@@ -609,14 +754,92 @@ mod tests {
         );
 
         // A claimed host that re-registers (e.g. credentials rotated) keeps its provisioning state.
-        let mut busy = registered(HostState::Provisioned, PowerState::On, 0);
-        busy.consumer_ref = Some(crate::api::metalhost::ConsumerReference {
-            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
-            kind: "MetalMachine".into(),
-            name: "m".into(),
-            uid: "u".into(),
-        });
-        let kept = registration_status(&host(Some(busy), true), Ok((PowerState::On, None)), &now);
+        let mut claimed = host(
+            Some(registered(HostState::Provisioned, PowerState::On, 0)),
+            true,
+        );
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
+        let status = registration_status(&claimed, Ok((PowerState::On, None)), &now);
+        let kept = settle(&claimed, status, Consumer::Provisioned, &now);
         assert_eq!(kept.state, Some(HostState::Provisioned));
+    }
+
+    /// One row per rule of `desired_state`.
+    #[test]
+    fn state_is_derived_from_the_claim() {
+        let claimed = |state: HostState| {
+            let mut h = host(Some(registered(state, PowerState::On, 0)), true);
+            h.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
+            h
+        };
+        let mut abandoned = host(
+            Some(registered(HostState::Deprovisioning, PowerState::On, 0)),
+            true,
+        );
+        abandoned.metadata.annotations = Some(
+            [(
+                DEPROVISION_FAILED_ANNOTATION.to_string(),
+                "BMC gone".to_string(),
+            )]
+            .into(),
+        );
+        let mut restored = claimed(HostState::Registering);
+        restored.status = Some(registered(HostState::Registering, PowerState::On, 0));
+        let rows: Vec<(&str, MetalHost, Consumer, HostState)> = vec![
+            (
+                "unclaimed, registered: Available",
+                host(
+                    Some(registered(HostState::Registering, PowerState::Off, 0)),
+                    true,
+                ),
+                Consumer::Unclaimed,
+                HostState::Available,
+            ),
+            (
+                "claimed, consumer booting",
+                claimed(HostState::Available),
+                Consumer::Provisioning,
+                HostState::Provisioning,
+            ),
+            (
+                "claimed, consumer has a providerID",
+                claimed(HostState::Provisioning),
+                Consumer::Provisioned,
+                HostState::Provisioned,
+            ),
+            (
+                "claimed, consumer deleting",
+                claimed(HostState::Provisioned),
+                Consumer::Deleting,
+                HostState::Deprovisioning,
+            ),
+            (
+                "claimed, consumer missing: keeps its busy state",
+                claimed(HostState::Provisioned),
+                Consumer::Missing,
+                HostState::Provisioned,
+            ),
+            (
+                "restored from a backup (status empty), consumer not there yet: never Available",
+                restored,
+                Consumer::Missing,
+                HostState::Provisioned,
+            ),
+            (
+                "released after a failed power-off: Error",
+                abandoned,
+                Consumer::Unclaimed,
+                HostState::Error,
+            ),
+        ];
+        for (what, h, consumer, want) in rows {
+            assert_eq!(desired_state(&h, consumer), want, "{what}");
+        }
+        let unregistered = host(None, true);
+        assert_eq!(
+            desired_state(&unregistered, Consumer::Provisioning),
+            HostState::Registering,
+            "registration comes first"
+        );
     }
 }

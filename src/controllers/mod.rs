@@ -6,11 +6,13 @@ pub mod cloudinitconfig;
 pub mod cluster;
 pub mod conditions;
 pub mod drain;
+pub mod expectations;
 pub mod hostbmc;
 pub mod machine;
 pub mod metalcluster;
 pub mod metalhost;
 pub mod metalmachine;
+pub mod power;
 pub mod refs;
 
 use std::collections::HashMap;
@@ -23,7 +25,44 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::api::PAUSED_ANNOTATION;
+use k8s_openapi::api::core::v1::Secret;
+use kube::core::DeserializeGuard;
+use kube::runtime::reflector::{ReflectHandle, Store};
+
+use crate::api::{Cluster, Machine, MetalCluster, MetalHost, MetalMachine, PAUSED_ANNOTATION};
+
+/// Readers of the manager's shared reflector stores (see `stores::Reflectors`).
+#[derive(Clone)]
+pub struct SharedStores {
+    pub hosts: Store<MetalHost>,
+    pub metal_machines: Store<MetalMachine>,
+    pub machines: Store<DeserializeGuard<Machine>>,
+    pub clusters: Store<DeserializeGuard<Cluster>>,
+    pub metal_clusters: Store<MetalCluster>,
+    /// Secrets labelled `metalboot.io/boot-token`.
+    pub boot_secrets: Store<Secret>,
+}
+
+/// One controller's subscriptions to the shared watches.
+pub struct Subscriptions {
+    pub hosts: ReflectHandle<MetalHost>,
+    pub metal_machines: ReflectHandle<MetalMachine>,
+    pub machines: ReflectHandle<DeserializeGuard<Machine>>,
+    pub clusters: ReflectHandle<DeserializeGuard<Cluster>>,
+    pub boot_secrets: ReflectHandle<Secret>,
+}
+
+impl Subscriptions {
+    pub fn new(r: &crate::stores::Reflectors) -> Self {
+        Subscriptions {
+            hosts: r.hosts.subscribe(),
+            metal_machines: r.metal_machines.subscribe(),
+            machines: r.machines.subscribe(),
+            clusters: r.clusters.subscribe(),
+            boot_secrets: r.boot_secrets.subscribe(),
+        }
+    }
+}
 
 /// Errors of a reconcile, by stage, so the log line and the condition say what failed where.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +109,19 @@ impl ReconcileError {
                 _ => None,
             },
             _ => None,
+        }
+    }
+
+    /// A short label for metrics: what kind of failure this was.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ReconcileError::Read { .. } => "read",
+            ReconcileError::Write { .. } => "write",
+            ReconcileError::Bmc { .. } => "bmc",
+            ReconcileError::Invalid(_) => "invalid",
+            ReconcileError::Drain(_) => "drain",
+            ReconcileError::Finalizer(_) => "finalizer",
+            ReconcileError::Requeue { .. } => "requeue",
         }
     }
 
@@ -130,12 +182,13 @@ pub fn key<K: Resource>(obj: &K) -> String {
 
 /// Writes `status` with server-side apply under the controller's own field manager (forced:
 /// this controller is the only writer of these fields, and a conflict must not hot-loop).
+/// Returns the written object's resourceVersion.
 pub async fn apply_status<K, S>(
     api: &Api<K>,
     name: &str,
     manager: &str,
     status: &S,
-) -> Result<(), ReconcileError>
+) -> Result<Option<String>, ReconcileError>
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
     S: Serialize,
@@ -151,7 +204,7 @@ where
         &Patch::Apply(&patch),
     )
     .await
-    .map(|_| ())
+    .map(|written| written.resource_version())
     .map_err(ReconcileError::write(format!(
         "{} {name} status",
         K::kind(&())

@@ -54,6 +54,7 @@ pub async fn create_host(client: &kube::Client, ns: &str, name: &str, mac: &str)
             boot_mode: None,
             online: true,
             description: None,
+            consumer_ref: None,
         },
     );
     hosts
@@ -70,13 +71,13 @@ pub async fn set_host_state(
     consumer: Option<&MetalMachine>,
 ) {
     let hosts: Api<MetalHost> = Api::namespaced(client.clone(), ns);
-    let consumer_ref = consumer.map(|m| ConsumerReference {
-        api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
-        kind: "MetalMachine".into(),
-        name: m.name_any(),
-        uid: m.uid().unwrap_or_default(),
-    });
-    let status = serde_json::json!({"status": {"state": state, "consumerRef": consumer_ref}});
+    let consumer_ref = consumer.map(|m| ConsumerReference::to_metal_machine(&m.name_any(), ns));
+    let spec = serde_json::json!({"spec": {"consumerRef": consumer_ref}});
+    hosts
+        .patch(name, &PatchParams::default(), &Patch::Merge(&spec))
+        .await
+        .expect("set host consumerRef");
+    let status = serde_json::json!({"status": {"state": state}});
     hosts
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
         .await

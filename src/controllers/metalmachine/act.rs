@@ -1,0 +1,408 @@
+//! Carrying out the one step `decide` chose: a BMC call, or one write with a precondition. Each
+//! write records an expectation, so the next decision waits until the store has seen it.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DeleteParams, Patch, PostParams, Preconditions};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+
+use crate::api::metalhost::{ConsumerReference, PowerState};
+use crate::api::{CLUSTER_NAME_LABEL, MetalHost, MetalMachine};
+use crate::bmc::{Bmc, BootDevice, PowerAction};
+use crate::boot::tokens::{self, NewAttempt};
+use crate::controllers::expectations::object_key;
+use crate::controllers::hostbmc::load_target;
+use crate::controllers::power::Fault;
+use crate::controllers::{ReconcileError, key, merge_params};
+
+use super::decide::Step;
+use super::observe::{BootObservation, Observed, OwnerObservation};
+use super::{
+    ADDRESSES_ANNOTATION, DEPROVISION_FAILED_ANNOTATION, FIELD_MANAGER, FINALIZER, MachineContext,
+};
+
+/// Why a step was not done.
+#[derive(Debug)]
+pub enum ActError {
+    /// Someone wrote first (409): decide again from a fresher store. Not an error.
+    Conflict(String),
+    /// Cannot be done yet, for a reason worth a condition (no backoff).
+    Waiting(Fault),
+    /// The BMC or its credentials failed: shown in conditions, retried with backoff.
+    Fault(Fault),
+    Api(ReconcileError),
+}
+
+fn write_error(what: String) -> impl FnOnce(kube::Error) -> ActError {
+    move |e| match e {
+        kube::Error::Api(ref s) if s.code == 409 => ActError::Conflict(what),
+        e => ActError::Api(ReconcileError::Write { what, source: e }),
+    }
+}
+
+pub async fn bmc_for(ctx: &MachineContext, host: &MetalHost) -> Result<Arc<dyn Bmc>, Fault> {
+    let target = load_target(&ctx.client, host).await.map_err(|e| Fault {
+        reason: e.reason(),
+        message: e.to_string(),
+    })?;
+    ctx.connector
+        .connect(&key(host), target)
+        .map_err(|e| Fault::from_bmc(&e))
+}
+
+fn host_named<'a>(o: &'a Observed, name: &str) -> Result<&'a MetalHost, ActError> {
+    o.hosts
+        .iter()
+        .find(|h| h.name_any() == name)
+        .map(Arc::as_ref)
+        .ok_or_else(|| ActError::Conflict(format!("MetalHost {name} left the store")))
+}
+
+pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), ActError> {
+    let mm = o.mm.as_ref();
+    let namespace = mm.namespace().unwrap_or_default();
+    let name = mm.name_any();
+    let mm_key = object_key("MetalMachine", &namespace, &name);
+    let machines: Api<MetalMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let hosts: Api<MetalHost> = Api::namespaced(ctx.client.clone(), &namespace);
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    let boot_name = tokens::boot_secret_name(&name);
+    let boot_key = object_key("Secret", &namespace, &boot_name);
+    match step {
+        Step::Nothing => Ok(()),
+        Step::AddFinalizer | Step::RemoveFinalizer => {
+            let mut finalizers: Vec<String> = mm
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER)
+                .cloned()
+                .collect();
+            if *step == Step::AddFinalizer {
+                finalizers.push(FINALIZER.into());
+            }
+            // A merge patch with the resourceVersion we decided from: a stale read is a 409 and
+            // a new decision, never a lost finalizer of someone else.
+            let patch = serde_json::json!({"metadata": {
+                "finalizers": finalizers, "resourceVersion": mm.resource_version()}});
+            let written = machines
+                .patch(&name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
+                .await
+                .map_err(write_error(format!("MetalMachine {name} finalizers")))?;
+            if *step == Step::RemoveFinalizer {
+                ctx.expectations.forget(&mm_key);
+                ctx.expectations.forget(&boot_key);
+                ctx.power_requests.forget(&mm_key);
+                ctx.backoff.reset(&mm_key);
+            } else {
+                ctx.expectations
+                    .wrote(mm_key, mm.resource_version(), written.resource_version());
+            }
+            Ok(())
+        }
+        Step::Claim {
+            host,
+            resource_version,
+        } => {
+            let consumer = ConsumerReference::to_metal_machine(&name, &namespace);
+            let patch = serde_json::json!({
+                "metadata": {"resourceVersion": resource_version},
+                "spec": {"consumerRef": consumer},
+            });
+            let written = hosts
+                .patch(host, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
+                .await
+                .map_err(write_error(format!("MetalHost {host} claim")))?;
+            ctx.expectations.wrote(
+                object_key("MetalHost", &namespace, host),
+                Some(resource_version.clone()),
+                written.resource_version(),
+            );
+            Ok(())
+        }
+        Step::Mint { host, provider_id } => {
+            let user_data = bootstrap_data(ctx, o, &namespace).await?;
+            let owner = mm.controller_owner_ref(&()).ok_or_else(|| {
+                ActError::Api(ReconcileError::Invalid("MetalMachine has no UID".into()))
+            })?;
+            let cluster_name = (!o.cluster_name.is_empty()).then_some(o.cluster_name.as_str());
+            let secret = tokens::new_boot_secret(&NewAttempt {
+                namespace: &namespace,
+                metal_machine: &name,
+                owner,
+                cluster_name: mm
+                    .labels()
+                    .get(CLUSTER_NAME_LABEL)
+                    .map(String::as_str)
+                    .or(cluster_name),
+                host,
+                attempt: 1,
+                provider_id,
+                user_data: &user_data,
+            });
+            let created = secrets
+                .create(&PostParams::default(), &secret)
+                .await
+                .map_err(write_error(format!("Secret {boot_name}")))?;
+            ctx.expectations
+                .wrote(boot_key, None, created.resource_version());
+            Ok(())
+        }
+        Step::PowerOn { host, attempt } => {
+            let BootObservation::Record(record) = &o.boot else {
+                return Err(ActError::Conflict("boot Secret gone".into()));
+            };
+            let target = host_named(o, host)?;
+            let bmc = bmc_for(ctx, target).await.map_err(ActError::Fault)?;
+            bmc.set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            let power = bmc
+                .power_state()
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            let (action, said) = if power == PowerState::Off {
+                (PowerAction::On, "powered on")
+            } else {
+                (PowerAction::Cycle, "power-cycled")
+            };
+            bmc.power(action)
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            let mut patch = tokens::powered_patch(o.now);
+            patch["metadata"]["resourceVersion"] = serde_json::json!(record.resource_version);
+            let written = secrets
+                .patch(
+                    &boot_name,
+                    &merge_params(FIELD_MANAGER),
+                    &Patch::Merge(&patch),
+                )
+                .await
+                .map_err(write_error(format!("Secret {boot_name} powered-at")))?;
+            ctx.expectations.wrote(
+                boot_key,
+                record.resource_version.clone(),
+                written.resource_version(),
+            );
+            ctx.events
+                .publish(
+                    mm,
+                    false,
+                    "BootStarted",
+                    format!(
+                        "MetalHost {host}: one-time network boot set, {said} (attempt {attempt})"
+                    ),
+                )
+                .await;
+            Ok(())
+        }
+        Step::NextAttempt => {
+            let Some(secret) = ctx
+                .stores
+                .boot_secrets
+                .get(&ObjectRef::new(&boot_name).within(&namespace))
+            else {
+                return Err(ActError::Conflict("boot Secret gone".into()));
+            };
+            // Replace carries the resourceVersion: the old token dies with the old version.
+            let next = tokens::next_attempt(&secret);
+            let written = secrets
+                .replace(&boot_name, &PostParams::default(), &next)
+                .await
+                .map_err(write_error(format!("Secret {boot_name}")))?;
+            ctx.expectations.wrote(
+                boot_key,
+                secret.resource_version(),
+                written.resource_version(),
+            );
+            Ok(())
+        }
+        Step::RecordProvisioned {
+            provider_id,
+            failure_domain,
+            addresses,
+        } => {
+            let addresses = serde_json::to_string(addresses)
+                .map_err(|e| ActError::Api(ReconcileError::Invalid(format!("addresses: {e}"))))?;
+            let mut spec = serde_json::json!({"providerID": provider_id});
+            if let Some(fd) = failure_domain {
+                spec["failureDomain"] = serde_json::json!(fd);
+            }
+            let patch = serde_json::json!({
+                "metadata": {
+                    "resourceVersion": mm.resource_version(),
+                    "annotations": {ADDRESSES_ANNOTATION: addresses},
+                },
+                "spec": spec,
+            });
+            let written = machines
+                .patch(&name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
+                .await
+                .map_err(write_error(format!("MetalMachine {name} providerID")))?;
+            ctx.expectations
+                .wrote(mm_key, mm.resource_version(), written.resource_version());
+            if let BootObservation::Record(record) = &o.boot
+                && let Some(callback) = &record.callback
+                && let Ok(called) = callback.received_at.parse::<jiff::Timestamp>()
+            {
+                if let Some(powered) = record.powered_at {
+                    crate::metrics::observe_phase(
+                        "boot",
+                        called.duration_since(powered).as_secs_f64(),
+                    );
+                }
+                if let Some(created) = mm.metadata.creation_timestamp.as_ref() {
+                    crate::metrics::observe_phase(
+                        "total",
+                        called.duration_since(created.0).as_secs_f64(),
+                    );
+                }
+            }
+            Ok(())
+        }
+        Step::BootFromDisk { host } => {
+            // The one-time network boot was consumed; leave the next boot to the disk. Best
+            // effort: a BMC that refuses leaves a warning, not an unprovisioned machine.
+            let target = host_named(o, host)?;
+            let result = match bmc_for(ctx, target).await {
+                Ok(bmc) => bmc
+                    .set_boot_once(BootDevice::Hdd, target.spec.boot_mode)
+                    .await
+                    .map_err(|e| Fault::from_bmc(&e)),
+                Err(f) => Err(f),
+            };
+            if let Err(f) = result {
+                tracing::warn!(host = %host, reason = f.reason, "could not set the next boot back to disk: {}", f.message);
+                ctx.events
+                    .publish(
+                        mm,
+                        true,
+                        "BootOverrideNotReset",
+                        format!(
+                            "MetalHost {host}: could not point the next boot at the disk: {}",
+                            f.message
+                        ),
+                    )
+                    .await;
+            }
+            Ok(())
+        }
+        Step::DeleteBootSecret => {
+            let current = ctx
+                .stores
+                .boot_secrets
+                .get(&ObjectRef::new(&boot_name).within(&namespace))
+                .and_then(|s| s.resource_version());
+            let params = DeleteParams {
+                preconditions: current.clone().map(|rv| Preconditions {
+                    resource_version: Some(rv),
+                    uid: None,
+                }),
+                ..Default::default()
+            };
+            match secrets.delete(&boot_name, &params).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(write_error(format!("Secret {boot_name} deletion"))(e)),
+            }
+            ctx.expectations.wrote(boot_key, current, None);
+            Ok(())
+        }
+        Step::PowerOff { host, action } => {
+            let target = host_named(o, host)?;
+            let bmc = bmc_for(ctx, target).await.map_err(ActError::Fault)?;
+            bmc.power(*action)
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            ctx.power_requests.record(&mm_key, *action);
+            Ok(())
+        }
+        Step::Release {
+            host,
+            resource_version,
+            fault,
+        } => {
+            if fault.is_none() {
+                let target = host_named(o, host)?;
+                if let Ok(bmc) = bmc_for(ctx, target).await
+                    && let Err(e) = bmc
+                        .set_boot_once(BootDevice::Hdd, target.spec.boot_mode)
+                        .await
+                {
+                    tracing::warn!(host = %host, error = %e, "could not reset the boot override");
+                }
+            }
+            let failed = fault.as_ref().map(|f| {
+                format!(
+                    "released by MetalMachine {name} while its BMC could not power it off: {}",
+                    f.message
+                )
+            });
+            let patch = serde_json::json!({
+                "metadata": {
+                    "resourceVersion": resource_version,
+                    "annotations": {DEPROVISION_FAILED_ANNOTATION: failed},
+                },
+                "spec": {"consumerRef": null},
+            });
+            let written = hosts
+                .patch(host, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
+                .await
+                .map_err(write_error(format!("MetalHost {host} release")))?;
+            ctx.expectations.wrote(
+                object_key("MetalHost", &namespace, host),
+                Some(resource_version.clone()),
+                written.resource_version(),
+            );
+            ctx.power_requests.forget(&mm_key);
+            if fault.is_some() {
+                ctx.events
+                    .publish(
+                        &written,
+                        true,
+                        "DeprovisioningFailed",
+                        failed.unwrap_or_default(),
+                    )
+                    .await;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The Machine's bootstrap data: inline `spec.bootstrap.data`, or the data Secret's `value`.
+async fn bootstrap_data(
+    ctx: &MachineContext,
+    o: &Observed,
+    namespace: &str,
+) -> Result<Vec<u8>, ActError> {
+    let OwnerObservation::Found(machine) = &o.owner else {
+        return Err(ActError::Conflict("owner Machine gone".into()));
+    };
+    if let Some(data) = &machine.spec.bootstrap.data {
+        return Ok(data.clone().into_bytes());
+    }
+    let Some(name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
+        return Err(ActError::Conflict("no dataSecretName".into()));
+    };
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .map_err(|e| {
+            ActError::Api(ReconcileError::Read {
+                what: format!("bootstrap Secret {name}"),
+                source: e,
+            })
+        })?;
+    secret
+        .and_then(|s| s.data)
+        .and_then(|mut d| d.remove("value"))
+        .map(|v| v.0)
+        .ok_or_else(|| {
+            ActError::Waiting(Fault {
+                reason: "WaitingForBootstrapData",
+                message: format!("bootstrap Secret {name} not found or has no key `value`"),
+            })
+        })
+}

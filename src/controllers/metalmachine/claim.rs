@@ -1,0 +1,256 @@
+//! Which host a MetalMachine has, and which it may claim. The claim itself is
+//! `MetalHost.spec.consumerRef`, written by `act` with a resourceVersion precondition, so two
+//! machines never get one host; here is only the choosing (pure).
+
+use std::sync::Arc;
+
+use kube::ResourceExt;
+use kube::core::{Selector, SelectorExt};
+
+use crate::api::metalhost::HostState;
+use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
+
+/// The host whose `spec.consumerRef` names this machine (by namespace and name: UIDs change on
+/// `clusterctl move`, names do not).
+pub fn claimed_host<'a>(hosts: &'a [Arc<MetalHost>], mm: &MetalMachine) -> Option<&'a MetalHost> {
+    let namespace = mm.namespace().unwrap_or_default();
+    let name = mm.name_any();
+    hosts
+        .iter()
+        .filter(|h| {
+            h.spec
+                .consumer_ref
+                .as_ref()
+                .is_some_and(|c| c.is_metal_machine(&namespace, &name))
+        })
+        .min_by_key(|h| h.name_any())
+        .map(Arc::as_ref)
+}
+
+/// Why no host can be claimed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    #[error("no Available MetalHost in namespace {namespace} matches hostSelector {selector}")]
+    NoHostAvailable { namespace: String, selector: String },
+    #[error(
+        "no Available MetalHost in failure domain {domain:?} (label {label}) matches hostSelector {selector}; the Machine's failure domain is a hard constraint"
+    )]
+    NoHostInFailureDomain {
+        domain: String,
+        label: String,
+        selector: String,
+    },
+    #[error("spec.hostSelector is invalid: {0}")]
+    InvalidSelector(String),
+}
+
+impl ClaimError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ClaimError::NoHostAvailable { .. } => "NoHostAvailable",
+            ClaimError::NoHostInFailureDomain { .. } => "NoHostInFailureDomain",
+            ClaimError::InvalidSelector(_) => "InvalidHostSelector",
+        }
+    }
+}
+
+/// Hosts `mm` may claim, best first: Available, online, unclaimed, not paused, not deleting, in
+/// its namespace, matching its selector and (when the Machine names one) its failure domain;
+/// then an order that differs per machine so racing machines try different hosts first.
+pub fn candidate_hosts(
+    hosts: &[Arc<MetalHost>],
+    mm: &MetalMachine,
+    failure_domain: Option<&str>,
+    failure_domain_label: &str,
+) -> Result<Vec<Arc<MetalHost>>, ClaimError> {
+    let namespace = mm.namespace();
+    let selector: Selector = match mm.spec.host_selector.clone() {
+        None => Selector::default(),
+        Some(s) => Selector::try_from(s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?,
+    };
+    let mut candidates: Vec<Arc<MetalHost>> = hosts
+        .iter()
+        .filter(|h| h.namespace() == namespace && h.metadata.deletion_timestamp.is_none())
+        .filter(|h| {
+            h.spec.consumer_ref.is_none()
+                && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available)
+        })
+        .filter(|h| h.spec.online && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION))
+        .filter(|h| selector.matches(h.labels()))
+        .filter(|h| {
+            failure_domain.is_none_or(|fd| {
+                h.labels().get(failure_domain_label).map(String::as_str) == Some(fd)
+            })
+        })
+        .cloned()
+        .collect();
+    if candidates.is_empty() {
+        let selector = mm
+            .spec
+            .host_selector
+            .as_ref()
+            .and_then(|s| serde_json::to_string(s).ok())
+            .unwrap_or_else(|| "{}".into());
+        return Err(match failure_domain {
+            Some(domain) => ClaimError::NoHostInFailureDomain {
+                domain: domain.into(),
+                label: failure_domain_label.into(),
+                selector,
+            },
+            None => ClaimError::NoHostAvailable {
+                namespace: namespace.unwrap_or_default(),
+                selector,
+            },
+        });
+    }
+    let seed = mm.uid().unwrap_or_else(|| mm.name_any());
+    candidates.sort_by_key(|h| {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (seed.as_str(), h.name_any()).hash(&mut hasher);
+        hasher.finish()
+    });
+    Ok(candidates)
+}
+
+/// The host to try to claim now.
+pub fn best_candidate(
+    hosts: &[Arc<MetalHost>],
+    mm: &MetalMachine,
+    failure_domain: Option<&str>,
+    failure_domain_label: &str,
+) -> Result<Arc<MetalHost>, ClaimError> {
+    candidate_hosts(hosts, mm, failure_domain, failure_domain_label)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| ClaimError::NoHostAvailable {
+            namespace: mm.namespace().unwrap_or_default(),
+            selector: "{}".into(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+
+    use super::*;
+    use crate::api::DEFAULT_FAILURE_DOMAIN_LABEL;
+    use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec, MetalHostStatus};
+
+    fn host(name: &str, state: HostState, online: bool, labels: &[(&str, &str)]) -> Arc<MetalHost> {
+        let mut h = MetalHost::new(
+            name,
+            MetalHostSpec {
+                bmc: BmcDetails {
+                    address: "redfish://b".into(),
+                    credentials_name: "c".into(),
+                    disable_certificate_verification: None,
+                    ca_secret_name: None,
+                },
+                boot_mac_address: "52:54:00:00:00:01".into(),
+                boot_mode: None,
+                online,
+                description: None,
+                consumer_ref: None,
+            },
+        );
+        h.metadata.namespace = Some("ns".into());
+        h.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        h.status = Some(MetalHostStatus {
+            state: Some(state),
+            ..Default::default()
+        });
+        Arc::new(h)
+    }
+
+    fn mm(selector: Option<LabelSelector>) -> MetalMachine {
+        let mut mm = MetalMachine::new("m", Default::default());
+        mm.metadata.namespace = Some("ns".into());
+        mm.spec.host_selector = selector;
+        mm
+    }
+
+    fn names(v: Result<Vec<Arc<MetalHost>>, ClaimError>) -> Vec<String> {
+        let mut n: Vec<String> = v.unwrap_or_default().iter().map(|h| h.name_any()).collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn only_free_matching_hosts_are_candidates() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let mut claimed = (*host("claimed", HostState::Available, true, &[])).clone();
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("x", "ns"));
+        let hosts = vec![
+            host(
+                "a",
+                HostState::Available,
+                true,
+                &[(fd, "rack-a"), ("role", "worker")],
+            ),
+            host("b", HostState::Available, true, &[(fd, "rack-b")]),
+            host("c", HostState::Provisioned, true, &[(fd, "rack-b")]),
+            host("d", HostState::Available, false, &[(fd, "rack-b")]),
+            host("e", HostState::Error, true, &[]),
+            Arc::new(claimed),
+        ];
+        assert_eq!(
+            names(candidate_hosts(&hosts, &mm(None), None, fd)),
+            ["a", "b"]
+        );
+        assert_eq!(
+            names(candidate_hosts(&hosts, &mm(None), Some("rack-b"), fd)),
+            ["b"]
+        );
+        assert!(matches!(
+            candidate_hosts(&hosts, &mm(None), Some("rack-z"), fd),
+            Err(ClaimError::NoHostInFailureDomain { .. })
+        ));
+        let workers = LabelSelector {
+            match_labels: Some(BTreeMap::from([("role".into(), "worker".into())])),
+            match_expressions: None,
+        };
+        assert_eq!(
+            names(candidate_hosts(&hosts, &mm(Some(workers)), None, fd)),
+            ["a"]
+        );
+        let typo = LabelSelector {
+            match_labels: None,
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "role".into(),
+                operator: "Typo".into(),
+                values: Some(vec!["worker".into()]),
+            }]),
+        };
+        assert!(
+            matches!(
+                candidate_hosts(&hosts, &mm(Some(typo)), None, fd),
+                Err(ClaimError::InvalidSelector(_))
+            ),
+            "an unknown operator claims nothing and says why"
+        );
+    }
+
+    #[test]
+    fn the_claim_is_found_by_name_not_uid() {
+        let mut h = (*host("h", HostState::Provisioned, true, &[])).clone();
+        h.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
+        let hosts = vec![Arc::new(h)];
+        let mut moved = mm(None);
+        moved.metadata.uid = Some("a-new-uid-after-move".into());
+        assert_eq!(
+            claimed_host(&hosts, &moved).map(|h| h.name_any()),
+            Some("h".into())
+        );
+        let mut other_ns = mm(None);
+        other_ns.metadata.namespace = Some("elsewhere".into());
+        assert!(claimed_host(&hosts, &other_ns).is_none());
+    }
+}

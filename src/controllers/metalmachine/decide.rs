@@ -1,0 +1,1383 @@
+//! What the MetalMachine controller decides, as one pure function of what it observed: the
+//! status the object should have, the one next step, and when to look again. Every rule of
+//! seed 004 (the infrastructure-machine contract) is a gate here, in the seed's order, and a row
+//! in the table tests below. No I/O happens here.
+
+use std::time::Duration;
+
+use kube::ResourceExt;
+
+use crate::api::common::{MachineAddress, MachineAddressType};
+use crate::api::metalhost::PowerState;
+use crate::api::metalmachine::{
+    HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
+};
+use crate::api::{MetalHost, PAUSED_ANNOTATION};
+use crate::bmc::PowerAction;
+use crate::boot::tokens::{BootRecord, CallbackRecord};
+use crate::controllers::conditions::{self, Want};
+use crate::controllers::power::{Fault, PowerOffStep, power_off_step};
+
+use super::claim;
+use super::observe::{BootObservation, Observed, OwnerObservation};
+use super::{BOOT_READY, FINALIZER, HOST_ASSOCIATED, PAUSED, READY};
+
+/// Settings that shape decisions (from the manager's flags).
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// How long a graceful power-off may take before it is forced.
+    pub graceful_off: Duration,
+    /// How long deletion keeps trying an unreachable BMC before releasing the machine anyway.
+    pub deprovision_timeout: Duration,
+}
+
+/// The one side effect of a pass. Everything but `Nothing` is done by `act`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Nothing,
+    AddFinalizer,
+    RemoveFinalizer,
+    /// Set `spec.consumerRef` of this host, conditioned on the resourceVersion we decided from.
+    Claim {
+        host: String,
+        resource_version: String,
+    },
+    /// Create the boot Secret of attempt 1 (fresh token, bootstrap data snapshot).
+    Mint {
+        host: String,
+        provider_id: String,
+    },
+    /// One-time network boot and power on (or cycle); then note the power-on on the boot Secret.
+    PowerOn {
+        host: String,
+        attempt: u32,
+    },
+    /// Replace the boot Secret with the next attempt (new token): the old token dies with it.
+    NextAttempt,
+    /// Record the outcome on the MetalMachine's spec and metadata (moved by clusterctl, unlike
+    /// status): providerID, failure domain and the callback's addresses.
+    RecordProvisioned {
+        provider_id: String,
+        failure_domain: Option<String>,
+        addresses: Vec<MachineAddress>,
+    },
+    /// Point the host's next boot back at its disk (best effort: the BMC may refuse).
+    BootFromDisk {
+        host: String,
+    },
+    /// Delete the boot Secret: the token dies.
+    DeleteBootSecret,
+    /// Send a power-off request for deprovisioning.
+    PowerOff {
+        host: String,
+        action: PowerAction,
+    },
+    /// Clear the host's `spec.consumerRef` (resourceVersion precondition). With a fault, the
+    /// host is also marked for an operator (it could not be powered off).
+    Release {
+        host: String,
+        resource_version: String,
+        fault: Option<Fault>,
+    },
+}
+
+/// An Event to publish once the step succeeded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// The outcome of `decide`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub status: MetalMachineStatus,
+    pub step: Step,
+    /// When to look again without a change; None waits for a watch event.
+    pub requeue: Option<Duration>,
+    pub note: Option<Note>,
+}
+
+impl Decision {
+    fn new(status: MetalMachineStatus, step: Step, requeue: Option<Duration>) -> Self {
+        Decision {
+            status,
+            step,
+            requeue,
+            note: None,
+        }
+    }
+    fn noting(mut self, warning: bool, reason: &'static str, message: String) -> Self {
+        self.note = Some(Note {
+            warning,
+            reason,
+            message,
+        });
+        self
+    }
+}
+
+/// providerID of a provisioning: unique per MetalMachine object (its UID), so a Node left over
+/// from a host's previous tenant can never match the next Machine on that host.
+pub fn provider_id(namespace: &str, host: &str, metal_machine_uid: &str) -> String {
+    format!("metalboot://{namespace}/{host}/{metal_machine_uid}")
+}
+
+/// Where one provisioning attempt stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootStep {
+    /// Boot Secret exists but the host was not powered for it yet (first time, or a restart
+    /// between minting and powering): set one-time network boot and power on.
+    Power,
+    /// Powered; waiting for the callback.
+    Wait(Duration),
+    /// Timed out; roll to the next attempt and power-cycle.
+    Retry { next_attempt: u32 },
+    /// Timed out on the last allowed attempt.
+    GiveUp { attempts: u32 },
+    /// The host called back.
+    Finish,
+}
+
+pub fn boot_step(
+    record: &BootRecord,
+    now: jiff::Timestamp,
+    timeout_seconds: i32,
+    retries: i32,
+) -> BootStep {
+    if record.callback.is_some() {
+        return BootStep::Finish;
+    }
+    let Some(powered_at) = record.powered_at else {
+        return BootStep::Power;
+    };
+    let elapsed = now.duration_since(powered_at).as_secs().max(0);
+    let timeout = i64::from(timeout_seconds.max(1));
+    if elapsed < timeout {
+        return BootStep::Wait(Duration::from_secs((timeout - elapsed) as u64));
+    }
+    let allowed_attempts = (retries.max(0) as u32).saturating_add(1);
+    if record.attempt < allowed_attempts {
+        BootStep::Retry {
+            next_attempt: record.attempt + 1,
+        }
+    } else {
+        BootStep::GiveUp {
+            attempts: record.attempt,
+        }
+    }
+}
+
+/// Machine addresses from a callback: each routable IP as InternalIP, the hostname (or the host
+/// name) as Hostname.
+pub fn addresses_from(callback: &CallbackRecord, host_name: &str) -> Vec<MachineAddress> {
+    let mut out: Vec<MachineAddress> = callback
+        .addresses
+        .iter()
+        .filter(|ip| !ip.is_loopback() && !is_link_local(ip))
+        .map(|ip| MachineAddress {
+            type_: MachineAddressType::InternalIP,
+            address: ip.to_string(),
+        })
+        .collect();
+    out.push(MachineAddress {
+        type_: MachineAddressType::Hostname,
+        address: callback
+            .hostname
+            .clone()
+            .unwrap_or_else(|| host_name.to_string()),
+    });
+    out
+}
+
+fn is_link_local(ip: &std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    }
+}
+
+/// Status bookkeeping for one decision: conditions stamped with one time and generation.
+struct StatusDraft {
+    status: MetalMachineStatus,
+    generation: Option<i64>,
+    now: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
+}
+
+impl StatusDraft {
+    fn set(&mut self, want: Want<'_>) {
+        conditions::set(
+            &mut self.status.conditions,
+            want,
+            self.generation,
+            &self.now,
+        );
+    }
+    /// Phase and Ready=False with a reason, the shape of every "waiting for …" gate.
+    fn waiting(mut self, phase: MetalMachinePhase, reason: &str, message: String) -> Self {
+        self.status.phase = Some(phase);
+        self.set(Want::f(READY, reason, message));
+        self
+    }
+    fn done(self) -> MetalMachineStatus {
+        self.status
+    }
+}
+
+/// Re-polls while waiting on a gate that no watch covers for sure (a Machine or Cluster that
+/// does not exist yet comes with a watch event, so this is only a safety net).
+const GATE_RESYNC: Duration = Duration::from_secs(60);
+/// While the host boots: how often to look at the timeout.
+const BOOT_POLL: Duration = Duration::from_secs(30);
+/// While a host powers off.
+const POWER_OFF_POLL: Duration = Duration::from_secs(3);
+
+/// The decision for one MetalMachine.
+pub fn decide(o: &Observed, policy: &Policy) -> Decision {
+    let mm = o.mm.as_ref();
+    let observed_status = mm.status.clone().unwrap_or_default();
+    let mut draft = StatusDraft {
+        status: observed_status.clone(),
+        generation: mm.metadata.generation,
+        now: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(o.now),
+    };
+    draft.status.observed_generation = mm.metadata.generation;
+    if mm.metadata.deletion_timestamp.is_some() {
+        return decide_deletion(o, draft, policy);
+    }
+    // Gate 1: a Machine owns this object.
+    let machine = match &o.owner {
+        OwnerObservation::Found(machine) => machine.clone(),
+        OwnerObservation::NoOwner => {
+            let status = draft
+                .waiting(
+                    MetalMachinePhase::Pending,
+                    "WaitingForMachineOwner",
+                    "no Machine owns this MetalMachine yet".into(),
+                )
+                .done();
+            return Decision::new(status, Step::Nothing, Some(GATE_RESYNC));
+        }
+        OwnerObservation::Missing(name) => {
+            let status = draft
+                .waiting(
+                    MetalMachinePhase::Pending,
+                    "WaitingForMachineOwner",
+                    format!("owner Machine {name} not found"),
+                )
+                .done();
+            return Decision::new(status, Step::Nothing, Some(GATE_RESYNC));
+        }
+        OwnerObservation::Invalid { name, error } => {
+            let status = draft
+                .waiting(
+                    MetalMachinePhase::Pending,
+                    "MachineInvalid",
+                    format!("owner Machine {name} cannot be read: {error}"),
+                )
+                .done();
+            return Decision::new(status, Step::Nothing, None);
+        }
+    };
+    // Gate 2: a terminal failure is final; only deletion changes anything.
+    if observed_status.failure_reason.is_some() || observed_status.failure_message.is_some() {
+        return Decision::new(observed_status, Step::Nothing, None);
+    }
+    // Gate 3: the Cluster exists.
+    let Some(cluster) = o.cluster.as_ref() else {
+        let status = draft
+            .waiting(
+                MetalMachinePhase::Pending,
+                "WaitingForCluster",
+                format!("Cluster {:?} not found", o.cluster_name),
+            )
+            .done();
+        return Decision::new(status, Step::Nothing, Some(GATE_RESYNC));
+    };
+    // Gate 4: our finalizer, before anything is claimed.
+    if !mm.finalizers().iter().any(|f| f == FINALIZER) {
+        return Decision::new(draft.done(), Step::AddFinalizer, None);
+    }
+    // Gate 5: paused (Cluster.spec.paused or the annotation): no write but the condition.
+    if cluster.paused() || mm.annotations().contains_key(PAUSED_ANNOTATION) {
+        draft.set(Want::t(
+            PAUSED,
+            "Paused",
+            "the Cluster or this object is paused",
+        ));
+        return Decision::new(draft.done(), Step::Nothing, None);
+    }
+    draft.status.conditions.retain(|c| c.type_ != PAUSED);
+    // Gate 6: the Cluster's infrastructure is provisioned.
+    if !cluster.infrastructure_provisioned() {
+        let status = draft
+            .waiting(
+                MetalMachinePhase::Pending,
+                "WaitingForClusterInfrastructure",
+                "the Cluster's infrastructure is not provisioned yet".into(),
+            )
+            .done();
+        return Decision::new(status, Step::Nothing, None);
+    }
+    // Gate 7: bootstrap data (a data Secret, or inline data in standalone mode).
+    let bootstrap = &machine.spec.bootstrap;
+    if bootstrap.data_secret_name.is_none() && bootstrap.data.is_none() {
+        let status = draft
+            .waiting(
+                MetalMachinePhase::Pending,
+                "WaitingForBootstrapData",
+                "the Machine has no spec.bootstrap.dataSecretName yet".into(),
+            )
+            .done();
+        return Decision::new(status, Step::Nothing, None);
+    }
+    let claimed = claim::claimed_host(&o.hosts, mm);
+    // Provisioned (providerID set): rebuild status from spec and metadata; never boot again.
+    if let Some(provider_id) = mm.spec.provider_id.clone() {
+        return decide_provisioned(o, draft, provider_id, claimed, &observed_status);
+    }
+    // Gate 8: a host, claimed before or claimed now.
+    let Some(host) = claimed else {
+        return decide_claim(o, draft, machine.spec.failure_domain.as_deref());
+    };
+    let host_name = host.name_any();
+    associate(&mut draft, host, &o.failure_domain_label);
+    // Gate 9: the host may be powered on.
+    if !host.spec.online {
+        draft.set(Want::f(
+            BOOT_READY,
+            "HostOffline",
+            format!("MetalHost {host_name} is held offline (spec.online: false)"),
+        ));
+        let status = draft
+            .waiting(
+                MetalMachinePhase::Provisioning,
+                "HostOffline",
+                format!("MetalHost {host_name} is held offline"),
+            )
+            .done();
+        return Decision::new(status, Step::Nothing, None);
+    }
+    // Gate 10: the boot attempt.
+    decide_boot(o, draft, host)
+}
+
+/// Fills `hostRef`, the failure domain and HostAssociated for the claimed host.
+fn associate(draft: &mut StatusDraft, host: &MetalHost, failure_domain_label: &str) {
+    let host_name = host.name_any();
+    draft.status.host_ref = Some(HostReference {
+        name: host_name.clone(),
+        uid: host.uid(),
+    });
+    draft.status.failure_domain = host.labels().get(failure_domain_label).cloned();
+    draft.set(Want::t(
+        HOST_ASSOCIATED,
+        "HostClaimed",
+        format!("claimed MetalHost {host_name}"),
+    ));
+}
+
+fn decide_claim(o: &Observed, mut draft: StatusDraft, failure_domain: Option<&str>) -> Decision {
+    let mm = o.mm.as_ref();
+    match claim::best_candidate(&o.hosts, mm, failure_domain, &o.failure_domain_label) {
+        Ok(host) => {
+            draft.set(Want::f(
+                HOST_ASSOCIATED,
+                "Claiming",
+                format!("claiming MetalHost {}", host.name_any()),
+            ));
+            let status = draft
+                .waiting(
+                    MetalMachinePhase::Claiming,
+                    "Claiming",
+                    format!("claiming MetalHost {}", host.name_any()),
+                )
+                .done();
+            let step = Step::Claim {
+                host: host.name_any(),
+                resource_version: host.resource_version().unwrap_or_default(),
+            };
+            Decision::new(status, step, None).noting(
+                false,
+                "HostClaimed",
+                format!("claimed MetalHost {}", host.name_any()),
+            )
+        }
+        Err(e) => {
+            let reason = e.reason();
+            let message = e.to_string();
+            draft.set(Want::f(HOST_ASSOCIATED, reason, message.clone()));
+            let status = draft
+                .waiting(MetalMachinePhase::Claiming, reason, message)
+                .done();
+            // A host change wakes this machine (watch); the resync is a safety net.
+            Decision::new(status, Step::Nothing, Some(GATE_RESYNC))
+        }
+    }
+}
+
+fn decide_provisioned(
+    o: &Observed,
+    mut draft: StatusDraft,
+    provider_id: String,
+    claimed: Option<&MetalHost>,
+    observed_status: &MetalMachineStatus,
+) -> Decision {
+    let mm = o.mm.as_ref();
+    let host_name = claimed
+        .map(|h| h.name_any())
+        .or_else(|| observed_status.host_ref.as_ref().map(|r| r.name.clone()))
+        .unwrap_or_default();
+    match claimed {
+        Some(host) => associate(&mut draft, host, &o.failure_domain_label),
+        None => draft.set(Want::f(
+            HOST_ASSOCIATED,
+            "HostNotFound",
+            "no MetalHost names this machine in spec.consumerRef (after a move, re-create the MetalHost with its consumerRef)",
+        )),
+    }
+    if let Some(addresses) = super::recorded_addresses(mm) {
+        draft.status.addresses = addresses;
+    }
+    if draft.status.failure_domain.is_none() {
+        draft.status.failure_domain = mm.spec.failure_domain.clone();
+    }
+    draft.status.ready = true;
+    draft.status.initialization = Some(MachineInitialization {
+        provisioned: Some(true),
+    });
+    draft.status.phase = Some(MetalMachinePhase::Provisioned);
+    draft.set(Want::t(
+        BOOT_READY,
+        "BootstrapSucceeded",
+        format!("MetalHost {host_name} reported bootstrap success"),
+    ));
+    draft.set(Want::t(
+        READY,
+        "Provisioned",
+        format!("running on MetalHost {host_name} ({provider_id})"),
+    ));
+    let status = draft.done();
+    let has_boot_secret = !matches!(o.boot, BootObservation::None);
+    // The boot Secret goes only once the store shows this machine ready: a decision from a store
+    // that lags behind can then never see "no Secret, not ready" and boot the host again.
+    let step = match (has_boot_secret, observed_status.ready, claimed) {
+        (true, false, Some(host)) => Step::BootFromDisk {
+            host: host.name_any(),
+        },
+        (true, _, _) => Step::DeleteBootSecret,
+        (false, _, _) => Step::Nothing,
+    };
+    let decision = Decision::new(status, step.clone(), None);
+    match step {
+        Step::BootFromDisk { .. } => decision.noting(
+            false,
+            "Provisioned",
+            format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
+        ),
+        _ => decision,
+    }
+}
+
+fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decision {
+    let mm = o.mm.as_ref();
+    let host_name = host.name_any();
+    let namespace = mm.namespace().unwrap_or_default();
+    draft.status.phase = Some(MetalMachinePhase::Provisioning);
+    let record = match &o.boot {
+        BootObservation::None => {
+            draft.set(Want::f(
+                BOOT_READY,
+                "PoweringOn",
+                "minting a boot token; the host is powered on next",
+            ));
+            draft.set(Want::f(
+                READY,
+                "Provisioning",
+                format!("booting MetalHost {host_name}"),
+            ));
+            let step = Step::Mint {
+                host: host_name.clone(),
+                provider_id: provider_id(&namespace, &host_name, &mm.uid().unwrap_or_default()),
+            };
+            return Decision::new(draft.done(), step, None);
+        }
+        BootObservation::Unreadable(error) => {
+            // An edited or corrupt boot Secret is replaced by a fresh attempt.
+            return Decision::new(draft.done(), Step::DeleteBootSecret, None).noting(
+                true,
+                "BootSecretReplaced",
+                format!("the boot Secret is unreadable ({error}); starting a fresh attempt"),
+            );
+        }
+        BootObservation::Record(record) if record.host != host_name => {
+            // Left from a claim of another host: that attempt is over.
+            return Decision::new(draft.done(), Step::DeleteBootSecret, None);
+        }
+        BootObservation::Record(record) => record,
+    };
+    let timeout = mm.spec.boot_timeout_seconds();
+    let retries = mm.spec.boot_retries();
+    match boot_step(record, o.now, timeout, retries) {
+        BootStep::Power => {
+            draft.set(Want::f(
+                BOOT_READY,
+                "WaitingForCallback",
+                format!(
+                    "attempt {}: host network-booting, waiting for its bootstrap-success callback",
+                    record.attempt
+                ),
+            ));
+            draft.set(Want::f(
+                READY,
+                "Provisioning",
+                format!("booting MetalHost {host_name}"),
+            ));
+            let step = Step::PowerOn {
+                host: host_name,
+                attempt: record.attempt,
+            };
+            Decision::new(draft.done(), step, Some(BOOT_POLL))
+        }
+        BootStep::Wait(remaining) => {
+            draft.set(Want::f(
+                BOOT_READY,
+                "WaitingForCallback",
+                format!(
+                    "attempt {}: waiting for the bootstrap-success callback",
+                    record.attempt
+                ),
+            ));
+            draft.set(Want::f(
+                READY,
+                "Provisioning",
+                format!("booting MetalHost {host_name}"),
+            ));
+            Decision::new(draft.done(), Step::Nothing, Some(remaining.min(BOOT_POLL)))
+        }
+        BootStep::Retry { next_attempt } => {
+            let message = format!(
+                "no bootstrap-success callback from MetalHost {host_name} within {timeout} s; power-cycling for attempt {next_attempt} of {}",
+                retries.max(0) + 1
+            );
+            draft.set(Want::f(BOOT_READY, "BootTimeout", message.clone()));
+            Decision::new(draft.done(), Step::NextAttempt, None).noting(
+                true,
+                "BootTimeout",
+                message,
+            )
+        }
+        BootStep::GiveUp { attempts } => {
+            let message = format!(
+                "MetalHost {host_name} never reported bootstrap success: {attempts} attempts of {timeout} s each"
+            );
+            draft.status.phase = Some(MetalMachinePhase::Failed);
+            draft.status.failure_reason = Some("BootTimeout".into());
+            draft.status.failure_message = Some(message.clone());
+            draft.set(Want::f(BOOT_READY, "BootTimeout", message.clone()));
+            draft.set(Want::f(READY, "BootTimeout", message.clone()));
+            Decision::new(draft.done(), Step::DeleteBootSecret, None).noting(
+                true,
+                "BootFailed",
+                message,
+            )
+        }
+        BootStep::Finish => {
+            let addresses = record
+                .callback
+                .as_ref()
+                .map(|c| addresses_from(c, &host_name))
+                .unwrap_or_default();
+            let step = Step::RecordProvisioned {
+                provider_id: record.provider_id.clone(),
+                failure_domain: host.labels().get(&o.failure_domain_label).cloned(),
+                addresses,
+            };
+            Decision::new(draft.done(), step, None)
+        }
+    }
+}
+
+fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Decision {
+    let mm = o.mm.as_ref();
+    if !mm.finalizers().iter().any(|f| f == FINALIZER) {
+        return Decision::new(draft.done(), Step::Nothing, None);
+    }
+    // Pause holds deletion too: no BMC call, no release, the finalizer stays.
+    let paused = o.cluster.as_ref().is_some_and(|c| c.paused())
+        || mm.annotations().contains_key(PAUSED_ANNOTATION);
+    if paused {
+        draft.set(Want::t(
+            PAUSED,
+            "Paused",
+            "the Cluster or this object is paused; deletion waits",
+        ));
+        return Decision::new(draft.done(), Step::Nothing, None);
+    }
+    draft.status.conditions.retain(|c| c.type_ != PAUSED);
+    draft.status.phase = Some(MetalMachinePhase::Deprovisioning);
+    let has_boot_secret = !matches!(o.boot, BootObservation::None);
+    let Some(host) = claim::claimed_host(&o.hosts, mm) else {
+        let step = if has_boot_secret {
+            Step::DeleteBootSecret
+        } else {
+            Step::RemoveFinalizer
+        };
+        return Decision::new(draft.done(), step, None);
+    };
+    let host_name = host.name_any();
+    let since_delete = mm
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| o.now.duration_since(t.0).unsigned_abs())
+        .unwrap_or_default();
+    let power = o.power.clone().unwrap_or(Ok(PowerState::Unknown));
+    let release = |fault: Option<Fault>| Step::Release {
+        host: host_name.clone(),
+        resource_version: host.resource_version().unwrap_or_default(),
+        fault,
+    };
+    match power_off_step(
+        power,
+        since_delete,
+        policy.graceful_off,
+        Some(policy.deprovision_timeout),
+        o.last_power_off,
+    ) {
+        PowerOffStep::Done => Decision::new(draft.done(), release(None), None).noting(
+            false,
+            "HostReleased",
+            format!("MetalHost {host_name} powered off and released"),
+        ),
+        PowerOffStep::Request(action) => {
+            draft.set(Want::f(
+                READY,
+                "Deprovisioning",
+                format!("powering MetalHost {host_name} off ({action} requested)"),
+            ));
+            let step = Step::PowerOff {
+                host: host_name,
+                action,
+            };
+            Decision::new(draft.done(), step, Some(POWER_OFF_POLL))
+        }
+        PowerOffStep::Wait(action) => {
+            draft.set(Want::f(
+                READY,
+                "Deprovisioning",
+                format!("powering MetalHost {host_name} off ({action} requested)"),
+            ));
+            Decision::new(draft.done(), Step::Nothing, Some(POWER_OFF_POLL))
+        }
+        PowerOffStep::Retry(f) => {
+            draft.set(Want::f(
+                READY,
+                f.reason,
+                format!("deprovisioning MetalHost {host_name}: {}", f.message),
+            ));
+            Decision::new(draft.done(), Step::Nothing, Some(Duration::from_secs(10)))
+        }
+        PowerOffStep::GiveUp(f) => {
+            let message = format!(
+                "released MetalMachine although MetalHost {host_name} could not be powered off ({}); the host is in Error for an operator to check",
+                f.message
+            );
+            Decision::new(draft.done(), release(Some(f)), None).noting(
+                true,
+                "HostAbandoned",
+                message,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+
+    use super::*;
+    use crate::api::capi::{Cluster, Machine, MachineSpec};
+    use crate::api::metalhost::MetalHostStatus;
+    use crate::api::metalhost::{BmcDetails, ConsumerReference, HostState, MetalHostSpec};
+    use crate::api::metalmachine::MetalMachineSpec;
+    use crate::api::{DEFAULT_FAILURE_DOMAIN_LABEL, MetalMachine};
+    use crate::boot::tokens::Token;
+
+    const T0: i64 = 1_800_000_000;
+
+    fn at(secs: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(T0 + secs).unwrap_or(jiff::Timestamp::UNIX_EPOCH)
+    }
+
+    fn policy() -> Policy {
+        Policy {
+            graceful_off: Duration::from_secs(60),
+            deprovision_timeout: Duration::from_secs(600),
+        }
+    }
+
+    fn metal_machine() -> MetalMachine {
+        let mut mm = MetalMachine::new(
+            "m",
+            MetalMachineSpec {
+                boot_timeout_seconds: Some(100),
+                boot_retries: Some(2),
+                ..Default::default()
+            },
+        );
+        mm.metadata.namespace = Some("ns".into());
+        mm.metadata.uid = Some("mm-uid".into());
+        mm.metadata.generation = Some(1);
+        mm.metadata.resource_version = Some("1".into());
+        mm.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        mm.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "cluster.x-k8s.io/v1beta2".into(),
+            kind: "Machine".into(),
+            name: "m".into(),
+            uid: "machine-uid".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]);
+        mm
+    }
+
+    fn machine() -> Machine {
+        let mut m = Machine::new(
+            "m",
+            MachineSpec {
+                cluster_name: "c1".into(),
+                ..Default::default()
+            },
+        );
+        m.metadata.namespace = Some("ns".into());
+        m.spec.bootstrap.data_secret_name = Some("m-bootstrap".into());
+        m
+    }
+
+    fn cluster() -> Cluster {
+        let mut c: Cluster = serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": {"name": "c1", "namespace": "ns"},
+            "spec": {},
+            "status": {"initialization": {"infrastructureProvisioned": true}},
+        }))
+        .unwrap_or_else(|e| panic!("cluster fixture: {e}"));
+        c.metadata.namespace = Some("ns".into());
+        c
+    }
+
+    fn host(name: &str, consumer: Option<&str>, fd: Option<&str>) -> MetalHost {
+        let mut h = MetalHost::new(
+            name,
+            MetalHostSpec {
+                bmc: BmcDetails {
+                    address: "redfish://b".into(),
+                    credentials_name: "c".into(),
+                    disable_certificate_verification: None,
+                    ca_secret_name: None,
+                },
+                boot_mac_address: "52:54:00:00:00:01".into(),
+                boot_mode: None,
+                online: true,
+                description: None,
+                consumer_ref: consumer.map(|c| ConsumerReference::to_metal_machine(c, "ns")),
+            },
+        );
+        h.metadata.namespace = Some("ns".into());
+        h.metadata.resource_version = Some(format!("rv-{name}"));
+        h.metadata.labels = Some(
+            fd.map(|fd| {
+                BTreeMap::from([(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())])
+            })
+            .unwrap_or_default(),
+        );
+        h.status = Some(MetalHostStatus {
+            state: Some(if consumer.is_some() {
+                HostState::Provisioning
+            } else {
+                HostState::Available
+            }),
+            ..Default::default()
+        });
+        h
+    }
+
+    fn record(attempt: u32, powered: Option<i64>, called_back: bool) -> BootRecord {
+        BootRecord {
+            namespace: "ns".into(),
+            secret_name: "m-boot".into(),
+            metal_machine: "m".into(),
+            host: "h1".into(),
+            attempt,
+            token: Token::mint(),
+            provider_id: "metalboot://ns/h1/mm-uid".into(),
+            instance_id: "mm-uid-1".into(),
+            user_data: vec![],
+            callback: called_back.then(|| CallbackRecord {
+                hostname: Some("node-1".into()),
+                addresses: vec![
+                    "10.0.0.7"
+                        .parse()
+                        .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0])),
+                ],
+                source_ip: None,
+                received_at: "t".into(),
+            }),
+            powered_at: powered.map(at),
+            resource_version: Some("5".into()),
+        }
+    }
+
+    /// A machine that has passed every gate up to the claim, with one free host `h1`.
+    fn observed() -> Observed {
+        Observed {
+            mm: Arc::new(metal_machine()),
+            now: at(0),
+            owner: OwnerObservation::Found(Arc::new(machine())),
+            cluster_name: "c1".into(),
+            cluster: Some(Arc::new(cluster())),
+            failure_domain_label: DEFAULT_FAILURE_DOMAIN_LABEL.into(),
+            hosts: vec![Arc::new(host("h1", None, Some("rack-a")))],
+            boot: BootObservation::None,
+            power: None,
+            last_power_off: None,
+        }
+    }
+
+    fn claimed(mut o: Observed) -> Observed {
+        o.hosts = vec![Arc::new(host("h1", Some("m"), Some("rack-a")))];
+        o
+    }
+
+    fn with_mm(mut o: Observed, f: impl FnOnce(&mut MetalMachine)) -> Observed {
+        let mut mm = (*o.mm).clone();
+        f(&mut mm);
+        o.mm = Arc::new(mm);
+        o
+    }
+
+    fn ready_reason(d: &Decision) -> String {
+        conditions::get(&d.status.conditions, READY)
+            .map(|c| c.reason.clone())
+            .unwrap_or_default()
+    }
+
+    /// Seed 004, "normal resource", one row per gate in the seed's order, plus the boot steps.
+    #[test]
+    fn gates_in_seed_order() {
+        type Row = (&'static str, Observed, &'static str, Step);
+        let failed = with_mm(observed(), |mm| {
+            mm.status = Some(MetalMachineStatus {
+                failure_reason: Some("BootTimeout".into()),
+                ..Default::default()
+            })
+        });
+        let paused_cluster = {
+            let mut o = observed();
+            let mut c = cluster();
+            c.spec.paused = Some(true);
+            o.cluster = Some(Arc::new(c));
+            o
+        };
+        let paused_annotation = with_mm(observed(), |mm| {
+            mm.metadata.annotations = Some(BTreeMap::from([(
+                PAUSED_ANNOTATION.to_string(),
+                String::new(),
+            )]))
+        });
+        let infra_not_ready = {
+            let mut o = observed();
+            let mut c = cluster();
+            c.status = None;
+            o.cluster = Some(Arc::new(c));
+            o
+        };
+        let no_data = {
+            let mut o = observed();
+            let mut m = machine();
+            m.spec.bootstrap.data_secret_name = None;
+            o.owner = OwnerObservation::Found(Arc::new(m));
+            o
+        };
+        let inline_data = {
+            let mut o = observed();
+            let mut m = machine();
+            m.spec.bootstrap.data_secret_name = None;
+            m.spec.bootstrap.data = Some("#cloud-config\n".into());
+            o.owner = OwnerObservation::Found(Arc::new(m));
+            o
+        };
+        let offline = {
+            let mut o = claimed(observed());
+            let mut h = host("h1", Some("m"), None);
+            h.spec.online = false;
+            o.hosts = vec![Arc::new(h)];
+            o
+        };
+        let rows: Vec<Row> = vec![
+            (
+                "1. no Machine owner: wait",
+                Observed {
+                    owner: OwnerObservation::NoOwner,
+                    ..observed()
+                },
+                "WaitingForMachineOwner",
+                Step::Nothing,
+            ),
+            (
+                "1. owner Machine not found: wait",
+                Observed {
+                    owner: OwnerObservation::Missing("m".into()),
+                    ..observed()
+                },
+                "WaitingForMachineOwner",
+                Step::Nothing,
+            ),
+            (
+                "1. owner Machine malformed: wait, say why",
+                Observed {
+                    owner: OwnerObservation::Invalid {
+                        name: "m".into(),
+                        error: "invalid type".into(),
+                    },
+                    ..observed()
+                },
+                "MachineInvalid",
+                Step::Nothing,
+            ),
+            ("2. terminal failure: nothing", failed, "", Step::Nothing),
+            (
+                "3. Cluster not found: wait",
+                Observed {
+                    cluster: None,
+                    ..observed()
+                },
+                "WaitingForCluster",
+                Step::Nothing,
+            ),
+            (
+                "4. no finalizer: add it first",
+                with_mm(observed(), |mm| mm.metadata.finalizers = None),
+                "",
+                Step::AddFinalizer,
+            ),
+            (
+                "5. Cluster paused: nothing",
+                paused_cluster,
+                "",
+                Step::Nothing,
+            ),
+            (
+                "5. annotation paused: nothing",
+                paused_annotation,
+                "",
+                Step::Nothing,
+            ),
+            (
+                "6. Cluster infrastructure not provisioned: wait",
+                infra_not_ready,
+                "WaitingForClusterInfrastructure",
+                Step::Nothing,
+            ),
+            (
+                "7. no dataSecretName: wait",
+                no_data,
+                "WaitingForBootstrapData",
+                Step::Nothing,
+            ),
+            (
+                "7. inline bootstrap data counts as data",
+                inline_data,
+                "Claiming",
+                Step::Claim {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                },
+            ),
+            (
+                "8. a free host: claim it with its resourceVersion",
+                observed(),
+                "Claiming",
+                Step::Claim {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                },
+            ),
+            (
+                "8. no free host: wait",
+                Observed {
+                    hosts: vec![Arc::new(host("h1", Some("other"), None))],
+                    ..observed()
+                },
+                "NoHostAvailable",
+                Step::Nothing,
+            ),
+            (
+                "9. claimed host held offline: wait",
+                offline,
+                "HostOffline",
+                Step::Nothing,
+            ),
+            (
+                "10. claimed, no boot Secret: mint a token",
+                claimed(observed()),
+                "Provisioning",
+                Step::Mint {
+                    host: "h1".into(),
+                    provider_id: "metalboot://ns/h1/mm-uid".into(),
+                },
+            ),
+            (
+                "10. minted, not powered: power on",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, None, false))),
+                    ..claimed(observed())
+                },
+                "Provisioning",
+                Step::PowerOn {
+                    host: "h1".into(),
+                    attempt: 1,
+                },
+            ),
+            (
+                "10. powered, within the timeout: wait",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, Some(-40), false))),
+                    ..claimed(observed())
+                },
+                "Provisioning",
+                Step::Nothing,
+            ),
+            (
+                "10. timed out with retries left: next attempt",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, Some(-100), false))),
+                    ..claimed(observed())
+                },
+                "",
+                Step::NextAttempt,
+            ),
+            (
+                "10. last attempt timed out: give up",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(3, Some(-100), false))),
+                    ..claimed(observed())
+                },
+                "BootTimeout",
+                Step::DeleteBootSecret,
+            ),
+            (
+                "10. unreadable boot Secret: replace it",
+                Observed {
+                    boot: BootObservation::Unreadable("no token".into()),
+                    ..claimed(observed())
+                },
+                "",
+                Step::DeleteBootSecret,
+            ),
+            (
+                "10. called back: record providerID, domain, addresses (seed steps 8, 10, 11)",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(2, Some(-10), true))),
+                    ..claimed(observed())
+                },
+                "",
+                Step::RecordProvisioned {
+                    provider_id: "metalboot://ns/h1/mm-uid".into(),
+                    failure_domain: Some("rack-a".into()),
+                    addresses: vec![
+                        MachineAddress {
+                            type_: MachineAddressType::InternalIP,
+                            address: "10.0.0.7".into(),
+                        },
+                        MachineAddress {
+                            type_: MachineAddressType::Hostname,
+                            address: "node-1".into(),
+                        },
+                    ],
+                },
+            ),
+        ];
+        for (what, o, want_reason, want_step) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want_step, "{what}: step");
+            if !want_reason.is_empty() {
+                assert_eq!(ready_reason(&d), want_reason, "{what}: Ready reason");
+            }
+        }
+    }
+
+    /// Seed 004 steps 8–12 and what follows: status rebuilt from spec, the boot Secret deleted
+    /// only once the store shows the machine ready, and never a new boot.
+    #[test]
+    fn provisioned_machines_never_boot_again() {
+        let provisioned = |ready: bool, boot: BootObservation| {
+            let mut o = claimed(observed());
+            o.boot = boot;
+            with_mm(o, |mm| {
+                mm.spec.provider_id = Some("metalboot://ns/h1/mm-uid".into());
+                mm.status = Some(MetalMachineStatus {
+                    ready,
+                    ..Default::default()
+                });
+            })
+        };
+        let rows = vec![
+            (
+                "providerID set, status not yet ready: ready + next boot from disk",
+                provisioned(
+                    false,
+                    BootObservation::Record(Box::new(record(1, Some(-5), true))),
+                ),
+                Step::BootFromDisk { host: "h1".into() },
+            ),
+            (
+                "store shows ready: the token dies",
+                provisioned(
+                    true,
+                    BootObservation::Record(Box::new(record(1, Some(-5), true))),
+                ),
+                Step::DeleteBootSecret,
+            ),
+            (
+                "ready and no boot Secret: nothing",
+                provisioned(true, BootObservation::None),
+                Step::Nothing,
+            ),
+            (
+                "moved (status empty, no boot Secret): status rebuilt, no boot",
+                provisioned(false, BootObservation::None),
+                Step::Nothing,
+            ),
+        ];
+        for (what, o, want) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want, "{what}");
+            assert!(d.status.ready, "{what}: ready");
+            assert_eq!(
+                d.status.phase,
+                Some(MetalMachinePhase::Provisioned),
+                "{what}"
+            );
+            assert_eq!(ready_reason(&d), "Provisioned", "{what}");
+        }
+        // Moved, and the host not re-created yet: still provisioned, never claims another host.
+        let mut moved = provisioned(false, BootObservation::None);
+        moved.hosts = vec![Arc::new(host("h2", None, None))];
+        let d = decide(&moved, &policy());
+        assert_eq!(d.step, Step::Nothing);
+        let associated = conditions::get(&d.status.conditions, HOST_ASSOCIATED);
+        assert_eq!(associated.map(|c| c.reason.as_str()), Some("HostNotFound"));
+    }
+
+    #[test]
+    fn the_failure_domain_is_a_hard_constraint() {
+        let mut o = observed();
+        let mut m = machine();
+        m.spec.failure_domain = Some("rack-b".into());
+        o.owner = OwnerObservation::Found(Arc::new(m));
+        let d = decide(&o, &policy());
+        assert_eq!(d.step, Step::Nothing, "h1 is in rack-a: not a candidate");
+        assert_eq!(ready_reason(&d), "NoHostInFailureDomain");
+        o.hosts.push(Arc::new(host("h2", None, Some("rack-b"))));
+        let d = decide(&o, &policy());
+        assert_eq!(
+            d.step,
+            Step::Claim {
+                host: "h2".into(),
+                resource_version: "rv-h2".into()
+            }
+        );
+        // The MetalCluster's label override decides which label names the domain.
+        o.failure_domain_label = "example.com/rack".into();
+        let d = decide(&o, &policy());
+        assert_eq!(ready_reason(&d), "NoHostInFailureDomain");
+    }
+
+    /// Seed 004, "deleted resource", and pause holding deletion.
+    #[test]
+    fn deletion_rows() {
+        let deleting = |o: Observed, secs_ago: i64| {
+            with_mm(o, move |mm| {
+                mm.metadata.deletion_timestamp = Some(Time(at(-secs_ago)))
+            })
+        };
+        let fault = Fault {
+            reason: "BmcUnreachable",
+            message: "refused".into(),
+        };
+        let paused = {
+            let mut o = deleting(claimed(observed()), 1);
+            let mut c = cluster();
+            c.spec.paused = Some(true);
+            o.cluster = Some(Arc::new(c));
+            o.power = Some(Ok(PowerState::On));
+            o
+        };
+        let rows: Vec<(&str, Observed, Step)> = vec![
+            (
+                "no finalizer: nothing",
+                with_mm(deleting(observed(), 1), |mm| mm.metadata.finalizers = None),
+                Step::Nothing,
+            ),
+            ("paused: deletion waits, no BMC call", paused, Step::Nothing),
+            (
+                "no host, boot Secret left: delete it",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, None, false))),
+                    ..deleting(observed(), 1)
+                },
+                Step::DeleteBootSecret,
+            ),
+            (
+                "nothing left: remove the finalizer",
+                deleting(observed(), 1),
+                Step::RemoveFinalizer,
+            ),
+            (
+                "host on: graceful power-off",
+                Observed {
+                    power: Some(Ok(PowerState::On)),
+                    ..deleting(claimed(observed()), 1)
+                },
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::GracefulOff,
+                },
+            ),
+            (
+                "host off: release it (resourceVersion precondition)",
+                Observed {
+                    power: Some(Ok(PowerState::Off)),
+                    ..deleting(claimed(observed()), 1)
+                },
+                Step::Release {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                    fault: None,
+                },
+            ),
+            (
+                "BMC unreachable within the deadline: wait",
+                Observed {
+                    power: Some(Err(fault.clone())),
+                    ..deleting(claimed(observed()), 10)
+                },
+                Step::Nothing,
+            ),
+            (
+                "BMC unreachable past the deadline: release, host to Error",
+                Observed {
+                    power: Some(Err(fault.clone())),
+                    ..deleting(claimed(observed()), 700)
+                },
+                Step::Release {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                    fault: Some(fault.clone()),
+                },
+            ),
+        ];
+        for (what, o, want) in rows {
+            assert_eq!(decide(&o, &policy()).step, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn boot_step_table() {
+        let cases: Vec<(&str, BootRecord, i64, BootStep)> = vec![
+            (
+                "minted, never powered",
+                record(1, None, false),
+                0,
+                BootStep::Power,
+            ),
+            (
+                "powered, within the timeout",
+                record(1, Some(0), false),
+                40,
+                BootStep::Wait(Duration::from_secs(60)),
+            ),
+            (
+                "first timeout",
+                record(1, Some(0), false),
+                100,
+                BootStep::Retry { next_attempt: 2 },
+            ),
+            (
+                "second timeout",
+                record(2, Some(0), false),
+                150,
+                BootStep::Retry { next_attempt: 3 },
+            ),
+            (
+                "last attempt timed out",
+                record(3, Some(0), false),
+                100,
+                BootStep::GiveUp { attempts: 3 },
+            ),
+            (
+                "called back",
+                record(2, Some(0), true),
+                500,
+                BootStep::Finish,
+            ),
+            (
+                "clock behind the power time",
+                record(1, Some(50), false),
+                0,
+                BootStep::Wait(Duration::from_secs(100)),
+            ),
+        ];
+        for (what, r, now, want) in cases {
+            assert_eq!(boot_step(&r, at(now), 100, 2), want, "{what}");
+        }
+        assert_eq!(
+            boot_step(&record(1, Some(0), false), at(100), 100, 0),
+            BootStep::GiveUp { attempts: 1 },
+            "no retries"
+        );
+    }
+
+    #[test]
+    fn status_only_changes_when_something_changed() {
+        // The same observation twice gives the same status: the caller writes only on change.
+        let o = claimed(observed());
+        let first = decide(&o, &policy());
+        let again = with_mm(o, |mm| mm.status = Some(first.status.clone()));
+        assert_eq!(decide(&again, &policy()).status, first.status);
+    }
+
+    #[test]
+    fn addresses_keep_routable_ips_and_the_hostname() {
+        let ip = |s: &str| s.parse().unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
+        let cb = CallbackRecord {
+            hostname: Some("node-0".into()),
+            addresses: vec![
+                ip("10.0.2.15"),
+                ip("127.0.0.1"),
+                ip("fe80::1"),
+                ip("fd00::15"),
+            ],
+            source_ip: None,
+            received_at: "t".into(),
+        };
+        let got: Vec<(MachineAddressType, String)> = addresses_from(&cb, "host-0")
+            .into_iter()
+            .map(|a| (a.type_, a.address))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (MachineAddressType::InternalIP, "10.0.2.15".into()),
+                (MachineAddressType::InternalIP, "fd00::15".into()),
+                (MachineAddressType::Hostname, "node-0".into()),
+            ]
+        );
+    }
+}

@@ -1,0 +1,288 @@
+//! MetalMachine controller: the Cluster API infrastructure-machine contract for bare metal.
+//!
+//! Where to look:
+//! - [`decide`]: what the controller decides for every situation (seed 004's gates in order,
+//!   the boot attempts, deletion) — pure, table-tested, no server.
+//! - [`observe`]: what it reads (shared stores; the BMC only while deprovisioning).
+//! - [`act`]: the one side effect of a pass (a BMC call, or one write with a precondition).
+//! - [`claim`]: which host a machine has or may claim.
+//!
+//! A pass is observe → decide → act → one status write (server-side apply, only when changed).
+//! After each write the controller waits until its stores show that write before deciding
+//! again (see `expectations`), so a lagging cache can never make it boot a host twice.
+
+pub mod act;
+pub mod claim;
+pub mod decide;
+pub mod observe;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::Api;
+use kube::runtime::Controller;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use tracing::Instrument;
+
+use crate::api::common::MachineAddress;
+use crate::api::metalmachine::MetalMachineStatus;
+use crate::api::{MetalHost, MetalMachine};
+use crate::boot::http::CallbackNotice;
+
+use super::conditions::{self, Want};
+use super::expectations::{Expectations, object_key};
+use super::hostbmc::BmcConnector;
+use super::power::PowerRequests;
+use super::{Backoff, Events, ReconcileError, SharedStores, Subscriptions, passes_watch_filter};
+use act::ActError;
+use decide::{Decision, Policy};
+use observe::Observation;
+
+pub use decide::provider_id;
+
+pub const FINALIZER: &str = "metalmachine.infrastructure.cluster.x-k8s.io";
+pub const FIELD_MANAGER: &str = "metalboot-metalmachine";
+pub const CONTROLLER: &str = "metalmachine";
+pub const READY: &str = "Ready";
+pub const HOST_ASSOCIATED: &str = "HostAssociated";
+pub const BOOT_READY: &str = "BootReady";
+pub const PAUSED: &str = "Paused";
+/// The callback's addresses, kept in metadata (which `clusterctl move` keeps) so status can be
+/// rebuilt after a move.
+pub const ADDRESSES_ANNOTATION: &str = "metalboot.io/addresses";
+/// Set on a MetalHost released while its BMC could not power it off: the MetalHost controller
+/// shows it as Error until an operator removes the annotation.
+pub const DEPROVISION_FAILED_ANNOTATION: &str = "metalboot.io/deprovision-failed";
+
+/// The Machine that owns `mm` (the Cluster API Machine controller sets this owner reference).
+pub fn machine_owner(mm: &MetalMachine) -> Option<&OwnerReference> {
+    mm.owner_references()
+        .iter()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+}
+
+/// The addresses recorded at provisioning (see [`ADDRESSES_ANNOTATION`]).
+pub fn recorded_addresses(mm: &MetalMachine) -> Option<Vec<MachineAddress>> {
+    mm.annotations()
+        .get(ADDRESSES_ANNOTATION)
+        .and_then(|a| serde_json::from_str(a).ok())
+}
+
+pub struct MachineContext {
+    pub client: kube::Client,
+    pub connector: Arc<dyn BmcConnector>,
+    pub stores: SharedStores,
+    pub events: Events,
+    pub backoff: Backoff,
+    pub policy: Policy,
+    pub watch_filter: Option<String>,
+    pub power_requests: PowerRequests,
+    pub expectations: Expectations,
+}
+
+async fn write_status(
+    ctx: &MachineContext,
+    mm: &MetalMachine,
+    status: &MetalMachineStatus,
+) -> Result<(), ReconcileError> {
+    if mm.status.as_ref() == Some(status) {
+        return Ok(());
+    }
+    let namespace = mm.namespace().unwrap_or_default();
+    let api: Api<MetalMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    let written = super::apply_status(&api, &mm.name_any(), FIELD_MANAGER, status).await?;
+    ctx.expectations.wrote(
+        object_key("MetalMachine", &namespace, &mm.name_any()),
+        mm.resource_version(),
+        written,
+    );
+    Ok(())
+}
+
+/// The status to show when the step failed: the decision's, with the fault on Ready.
+fn with_fault(
+    mut status: MetalMachineStatus,
+    mm: &MetalMachine,
+    reason: &str,
+    message: &str,
+) -> MetalMachineStatus {
+    let now = conditions::now();
+    for type_ in [BOOT_READY, READY] {
+        conditions::set(
+            &mut status.conditions,
+            Want::f(type_, reason, message),
+            mm.metadata.generation,
+            &now,
+        );
+    }
+    status
+}
+
+async fn reconcile(
+    mm: Arc<MetalMachine>,
+    ctx: Arc<MachineContext>,
+) -> Result<Action, ReconcileError> {
+    if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
+        return Ok(Action::await_change());
+    }
+    let started = Instant::now();
+    let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %super::key(mm.as_ref()));
+    let result = pass(mm, &ctx).instrument(span).await;
+    crate::metrics::record_reconcile(
+        CONTROLLER,
+        result.as_ref().err().map(|e| e.category()),
+        started.elapsed(),
+    );
+    result
+}
+
+async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
+    let observed = match observe::observe(ctx, mm.clone()).await {
+        Observation::Ready(o) => o,
+        Observation::Stale(what) => {
+            tracing::debug!(%what, "store has not seen our last write yet");
+            return Ok(Action::requeue(Duration::from_millis(250)));
+        }
+    };
+    let Decision {
+        status,
+        step,
+        requeue,
+        note,
+    } = decide::decide(&observed, &ctx.policy);
+    tracing::debug!(?step, "decided");
+    let key = super::key(mm.as_ref());
+    match act::act(ctx, &observed, &step).await {
+        Ok(()) => {
+            if !matches!(step, decide::Step::RemoveFinalizer) {
+                write_status(ctx, &mm, &status).await?;
+            }
+            if let Some(note) = note {
+                ctx.events
+                    .publish(mm.as_ref(), note.warning, note.reason, note.message)
+                    .await;
+            }
+            let acted = !matches!(step, decide::Step::Nothing);
+            if acted {
+                ctx.backoff.reset(&key);
+            }
+            // After a step, look again soon even if no watch event maps back here (a release
+            // clears the very consumerRef that would route the host's event to this machine).
+            let requeue = requeue.or(acted.then_some(Duration::from_millis(500)));
+            Ok(match requeue {
+                Some(after) => Action::requeue(after),
+                None => Action::await_change(),
+            })
+        }
+        Err(ActError::Conflict(what)) => {
+            tracing::debug!(%what, "conflict; deciding again");
+            Ok(Action::requeue(Duration::from_millis(250)))
+        }
+        Err(ActError::Waiting(f)) => {
+            write_status(ctx, &mm, &with_fault(status, &mm, f.reason, &f.message)).await?;
+            Ok(Action::requeue(Duration::from_secs(15)))
+        }
+        Err(ActError::Fault(f)) => {
+            write_status(ctx, &mm, &with_fault(status, &mm, f.reason, &f.message)).await?;
+            ctx.events
+                .publish(mm.as_ref(), true, f.reason, f.message.clone())
+                .await;
+            let host = mm
+                .status
+                .as_ref()
+                .and_then(|s| s.host_ref.as_ref())
+                .map(|r| r.name.clone())
+                .unwrap_or_default();
+            Err(ReconcileError::Bmc {
+                host,
+                reason: f.reason,
+                message: f.message,
+            })
+        }
+        Err(ActError::Api(e)) => Err(e),
+    }
+}
+
+fn error_policy(mm: Arc<MetalMachine>, error: &ReconcileError, ctx: Arc<MachineContext>) -> Action {
+    let delay = ctx.backoff.next(&super::key(mm.as_ref()));
+    tracing::warn!(machine = %super::key(mm.as_ref()), error = %error, retry_in = ?delay, "MetalMachine reconcile failed");
+    Action::requeue(delay)
+}
+
+/// The controller over the shared streams: MetalMachines, and what wakes them — their boot
+/// Secrets (owned), hosts (claims and releases), Machines (bootstrap data), Clusters (pause,
+/// infrastructure readiness) and the boot service's callbacks.
+pub fn controller(
+    stores: &SharedStores,
+    subs: Subscriptions,
+    callbacks: impl futures::Stream<Item = CallbackNotice> + Send + 'static,
+) -> Controller<MetalMachine> {
+    let waiting = stores.metal_machines.clone();
+    let by_cluster = stores.metal_machines.clone();
+    Controller::for_shared_stream(subs.metal_machines, stores.metal_machines.clone())
+        .owns_shared_stream(subs.boot_secrets)
+        .watches_shared_stream(subs.hosts, move |host: Arc<MetalHost>| {
+            let namespace = host.namespace();
+            let mut wake: Vec<ObjectRef<MetalMachine>> = Vec::new();
+            if let Some(c) = &host.spec.consumer_ref {
+                wake.push(ObjectRef::new(&c.name).within(&c.namespace));
+            }
+            // A free host wakes the machines of its namespace that still look for one.
+            let free = host.spec.consumer_ref.is_none()
+                && host.status.as_ref().and_then(|s| s.state)
+                    == Some(crate::api::metalhost::HostState::Available);
+            if free {
+                wake.extend(
+                    waiting
+                        .state()
+                        .into_iter()
+                        .filter(|m| m.namespace() == namespace)
+                        .filter(|m| {
+                            m.status
+                                .as_ref()
+                                .and_then(|s| s.host_ref.as_ref())
+                                .is_none()
+                        })
+                        .map(|m| ObjectRef::from_obj(m.as_ref())),
+                );
+            }
+            wake
+        })
+        .watches_shared_stream(subs.machines, |machine| {
+            let namespace = machine.meta().namespace.clone().unwrap_or_default();
+            machine
+                .0
+                .as_ref()
+                .ok()
+                .filter(|m| m.spec.infrastructure_ref.kind == "MetalMachine")
+                .map(|m| ObjectRef::new(&m.spec.infrastructure_ref.name).within(&namespace))
+        })
+        .watches_shared_stream(subs.clusters, move |cluster| {
+            let namespace = cluster.meta().namespace.clone();
+            let name = cluster.meta().name.clone().unwrap_or_default();
+            by_cluster
+                .state()
+                .into_iter()
+                .filter(|m| m.namespace() == namespace)
+                .filter(|m| m.labels().get(crate::api::CLUSTER_NAME_LABEL) == Some(&name))
+                .map(|m| ObjectRef::from_obj(m.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .reconcile_on(callbacks.map(|n| ObjectRef::new(&n.metal_machine).within(&n.namespace)))
+}
+
+pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>) {
+    controller
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "MetalMachine controller event");
+            }
+        })
+        .await;
+}

@@ -1,0 +1,185 @@
+//! Everything the MetalMachine controller reads before deciding: the owning Machine, the
+//! Cluster, the MetalCluster's failure-domain label, the namespace's hosts and the boot Secret,
+//! all from the shared reflector stores (no GET of an object a store holds), and, only while a
+//! claimed host is being deprovisioned, its power state from the BMC.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+
+use crate::api::metalhost::PowerState;
+use crate::api::{
+    CLUSTER_NAME_LABEL, Cluster, DEFAULT_FAILURE_DOMAIN_LABEL, Machine, MetalHost, MetalMachine,
+};
+use crate::bmc::PowerAction;
+use crate::boot::tokens::{self, BootRecord};
+use crate::controllers::expectations::object_key;
+use crate::controllers::power::Fault;
+
+use super::{FINALIZER, MachineContext, claim, machine_owner};
+
+/// The owning Machine as the store has it.
+#[derive(Debug, Clone)]
+pub enum OwnerObservation {
+    NoOwner,
+    Missing(String),
+    /// The Machine exists but does not parse (a permissive CRD, a newer upstream shape).
+    Invalid {
+        name: String,
+        error: String,
+    },
+    Found(Arc<Machine>),
+}
+
+/// The boot Secret of the current attempt.
+#[derive(Debug, Clone)]
+pub enum BootObservation {
+    None,
+    Unreadable(String),
+    Record(Box<BootRecord>),
+}
+
+/// What `decide` works from.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    pub mm: Arc<MetalMachine>,
+    pub now: jiff::Timestamp,
+    pub owner: OwnerObservation,
+    pub cluster_name: String,
+    pub cluster: Option<Arc<Cluster>>,
+    /// Label on MetalHosts that names their failure domain (MetalCluster override or default).
+    pub failure_domain_label: String,
+    /// The hosts in the machine's namespace.
+    pub hosts: Vec<Arc<MetalHost>>,
+    pub boot: BootObservation,
+    /// Deletion only: the claimed host's power state, read from its BMC.
+    pub power: Option<Result<PowerState, Fault>>,
+    /// Deletion only: the power-off request already sent, and how long ago.
+    pub last_power_off: Option<(PowerAction, Duration)>,
+}
+
+/// The outcome of observing.
+pub enum Observation {
+    Ready(Box<Observed>),
+    /// A store has not caught up with this controller's own last write to `0`: decide later.
+    Stale(String),
+}
+
+pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation {
+    let stores = &ctx.stores;
+    let namespace = mm.namespace().unwrap_or_default();
+    let name = mm.name_any();
+    let mm_key = object_key("MetalMachine", &namespace, &name);
+    if !ctx
+        .expectations
+        .satisfied(&mm_key, mm.resource_version().as_deref())
+    {
+        return Observation::Stale(mm_key);
+    }
+    let owner = match machine_owner(&mm) {
+        None => OwnerObservation::NoOwner,
+        Some(owner) => match stores
+            .machines
+            .get(&ObjectRef::new(&owner.name).within(&namespace))
+        {
+            None => OwnerObservation::Missing(owner.name.clone()),
+            Some(guarded) => match &guarded.0 {
+                Ok(machine) => OwnerObservation::Found(Arc::new(machine.clone())),
+                Err(invalid) => OwnerObservation::Invalid {
+                    name: owner.name.clone(),
+                    error: invalid.error.chars().take(300).collect(),
+                },
+            },
+        },
+    };
+    let cluster_name = mm
+        .labels()
+        .get(CLUSTER_NAME_LABEL)
+        .cloned()
+        .or_else(|| match &owner {
+            OwnerObservation::Found(m) => Some(m.spec.cluster_name.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    let cluster = (!cluster_name.is_empty())
+        .then(|| {
+            stores
+                .clusters
+                .get(&ObjectRef::new(&cluster_name).within(&namespace))
+        })
+        .flatten()
+        .and_then(|guarded| guarded.0.as_ref().ok().cloned().map(Arc::new));
+    let failure_domain_label = cluster
+        .as_ref()
+        .and_then(|c| c.spec.infrastructure_ref.as_ref())
+        .filter(|r| r.kind == "MetalCluster")
+        .and_then(|r| {
+            stores
+                .metal_clusters
+                .get(&ObjectRef::new(&r.name).within(&namespace))
+        })
+        .and_then(|mc| mc.spec.failure_domain_label.clone())
+        .unwrap_or_else(|| DEFAULT_FAILURE_DOMAIN_LABEL.to_string());
+    let hosts: Vec<Arc<MetalHost>> = stores
+        .hosts
+        .state()
+        .into_iter()
+        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
+        .collect();
+    for host in &hosts {
+        let key = object_key("MetalHost", &namespace, &host.name_any());
+        if !ctx
+            .expectations
+            .satisfied(&key, host.resource_version().as_deref())
+        {
+            return Observation::Stale(key);
+        }
+    }
+    let secret_name = tokens::boot_secret_name(&name);
+    let secret = stores
+        .boot_secrets
+        .get(&ObjectRef::new(&secret_name).within(&namespace));
+    let secret_key = object_key("Secret", &namespace, &secret_name);
+    if !ctx.expectations.satisfied(
+        &secret_key,
+        secret
+            .as_ref()
+            .and_then(|s| s.resource_version())
+            .as_deref(),
+    ) {
+        return Observation::Stale(secret_key);
+    }
+    let boot = match secret {
+        None => BootObservation::None,
+        Some(secret) => match tokens::parse_boot_secret(&secret) {
+            Ok(record) => BootObservation::Record(Box::new(record)),
+            Err(e) => BootObservation::Unreadable(e.to_string()),
+        },
+    };
+    let deprovisioning =
+        mm.metadata.deletion_timestamp.is_some() && mm.finalizers().iter().any(|f| f == FINALIZER);
+    let (power, last_power_off) = match claim::claimed_host(&hosts, &mm) {
+        Some(host) if deprovisioning => {
+            let power = match super::act::bmc_for(ctx, host).await {
+                Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
+                Err(f) => Err(f),
+            };
+            (Some(power), ctx.power_requests.last(&mm_key))
+        }
+        _ => (None, None),
+    };
+    Observation::Ready(Box::new(Observed {
+        mm,
+        now: jiff::Timestamp::now(),
+        owner,
+        cluster_name,
+        cluster,
+        failure_domain_label,
+        hosts,
+        boot,
+        power,
+        last_power_off,
+    }))
+}
