@@ -507,15 +507,7 @@ async fn deletion_with_an_unreachable_bmc_marks_the_host_and_releases_the_machin
     lab.host(0).await;
     lab.machine("m1", None, None).await;
     let _manager = lab.manager().await;
-    support::eventually("host powered for provisioning", 60, || async {
-        lab.boot_secret("m1").await.filter(|s| {
-            s.metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
-        })
-    })
-    .await;
+    powered_for_m1(&lab, "host powered for provisioning").await;
     // The BMC goes away.
     let dead = sushy::start(sushy::SushyConfig {
         systems: vec![],
@@ -627,15 +619,7 @@ async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle(
     lab.host(0).await;
     lab.machine("m1", None, None).await;
     let manager = lab.manager().await;
-    support::eventually("host powered for provisioning", 60, || async {
-        lab.boot_secret("m1").await.filter(|s| {
-            s.metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
-        })
-    })
-    .await;
+    powered_for_m1(&lab, "host powered for provisioning").await;
     let resets_before = lab.resets();
     assert_eq!(resets_before, 1, "one power-on so far");
     drop(manager); // killed mid-provisioning
@@ -648,18 +632,7 @@ async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle(
         (r.status() == 200).then_some(())
     })
     .await;
-    let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
-    let callback = seed
-        .replace("/nocloud/", "/callback/")
-        .trim_end_matches('/')
-        .to_string();
-    let answer = reqwest::Client::new()
-        .post(&callback)
-        .body("{}")
-        .send()
-        .await
-        .expect("callback");
-    assert_eq!(answer.status(), 200);
+    play_callback(&lab, &manager).await;
     support::eventually("MetalMachine ready", 30, || async {
         lab.metal_machine("m1")
             .await
@@ -706,10 +679,9 @@ async fn wrong_credentials_put_the_host_in_error_and_fixing_the_secret_recovers_
     .await;
 }
 
-/// Plays the host of `m1` on `host-0` through the boot chain and its callback, and waits until
-/// the MetalMachine is ready and its token is gone.
-async fn provision_m1(lab: &Lab, manager: &RunningManager) {
-    support::eventually("host powered for provisioning", 60, || async {
+/// Waits until m1's attempt has powered its host (the boot Secret says so) and returns it.
+async fn powered_for_m1(lab: &Lab, what: &str) -> Secret {
+    support::eventually(what, 60, || async {
         lab.boot_secret("m1").await.filter(|s| {
             s.metadata
                 .annotations
@@ -717,7 +689,11 @@ async fn provision_m1(lab: &Lab, manager: &RunningManager) {
                 .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
         })
     })
-    .await;
+    .await
+}
+
+/// Plays host-0's OS: the boot chain, then the bootstrap-success callback (accepted).
+async fn play_callback(lab: &Lab, manager: &RunningManager) {
     let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
     let callback = seed
         .replace("/nocloud/", "/callback/")
@@ -730,6 +706,13 @@ async fn provision_m1(lab: &Lab, manager: &RunningManager) {
         .await
         .expect("callback");
     assert_eq!(answer.status(), 200);
+}
+
+/// Plays the host of `m1` on `host-0` through the boot chain and its callback, and waits until
+/// the MetalMachine is ready and its token is gone.
+async fn provision_m1(lab: &Lab, manager: &RunningManager) {
+    powered_for_m1(lab, "host powered for provisioning").await;
+    play_callback(lab, manager).await;
     support::eventually("MetalMachine ready, token gone", 30, || async {
         let ready = lab
             .metal_machine("m1")
@@ -843,15 +826,7 @@ async fn a_malformed_machine_does_not_stop_another_machine_from_provisioning() {
     .await;
     lab.machine("m1", None, None).await;
     let _manager = lab.manager().await;
-    support::eventually("m1 claimed its host and powered it on", 60, || async {
-        lab.boot_secret("m1").await.filter(|s| {
-            s.metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key("metalboot.io/powered-at"))
-        })
-    })
-    .await;
+    powered_for_m1(&lab, "m1 claimed its host and powered it on").await;
     let stored = machines.get("malformed").await.expect("still there");
     assert_eq!(
         stored.data["spec"]["clusterName"], 42,

@@ -100,6 +100,26 @@ fn default_true() -> bool {
     true
 }
 
+impl MetalHostSpec {
+    /// A valid spec for unit tests: a Redfish BMC, one boot MAC, online, unclaimed.
+    #[cfg(test)]
+    pub(crate) fn for_tests() -> Self {
+        MetalHostSpec {
+            bmc: BmcDetails {
+                address: "redfish://b".into(),
+                credentials_name: "c".into(),
+                disable_certificate_verification: None,
+                ca_secret_name: None,
+            },
+            boot_mac_address: "52:54:00:00:00:01".into(),
+            boot_mode: None,
+            online: true,
+            description: None,
+            consumer_ref: None,
+        }
+    }
+}
+
 /// BMC connection details.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]

@@ -186,7 +186,7 @@ mod tests {
     use super::*;
     use crate::api::common::ApiEndpoint;
     use crate::api::metalcluster::MetalClusterSpec;
-    use crate::api::metalhost::{BmcDetails, MetalHostSpec};
+    use crate::api::metalhost::MetalHostSpec;
 
     fn cluster(host: &str, port: i32) -> MetalCluster {
         let mut mc = MetalCluster::new(
@@ -204,22 +204,7 @@ mod tests {
     }
 
     fn host(ns: &str, fd: Option<&str>) -> Arc<MetalHost> {
-        let mut h = MetalHost::new(
-            "h",
-            MetalHostSpec {
-                bmc: BmcDetails {
-                    address: "redfish://b".into(),
-                    credentials_name: "c".into(),
-                    disable_certificate_verification: None,
-                    ca_secret_name: None,
-                },
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                boot_mode: None,
-                online: true,
-                description: None,
-                consumer_ref: None,
-            },
-        );
+        let mut h = MetalHost::new("h", MetalHostSpec::for_tests());
         h.metadata.namespace = Some(ns.into());
         h.metadata.labels =
             fd.map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into());

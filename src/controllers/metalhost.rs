@@ -615,7 +615,7 @@ pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec};
+    use crate::api::metalhost::{ConsumerReference, MetalHostSpec};
 
     fn at(secs: i64) -> jiff::Timestamp {
         jiff::Timestamp::from_second(1_800_000_000 + secs).unwrap_or(jiff::Timestamp::UNIX_EPOCH)
@@ -625,17 +625,8 @@ mod tests {
         let mut h = MetalHost::new(
             "h",
             MetalHostSpec {
-                bmc: BmcDetails {
-                    address: "redfish://b".into(),
-                    credentials_name: "c".into(),
-                    disable_certificate_verification: None,
-                    ca_secret_name: None,
-                },
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                boot_mode: None,
                 online,
-                description: None,
-                consumer_ref: None,
+                ..MetalHostSpec::for_tests()
             },
         );
         h.status = status;

@@ -137,23 +137,14 @@ mod tests {
 
     use super::*;
     use crate::api::DEFAULT_FAILURE_DOMAIN_LABEL;
-    use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec, MetalHostStatus};
+    use crate::api::metalhost::{ConsumerReference, MetalHostSpec, MetalHostStatus};
 
     fn host(name: &str, state: HostState, online: bool, labels: &[(&str, &str)]) -> Arc<MetalHost> {
         let mut h = MetalHost::new(
             name,
             MetalHostSpec {
-                bmc: BmcDetails {
-                    address: "redfish://b".into(),
-                    credentials_name: "c".into(),
-                    disable_certificate_verification: None,
-                    ca_secret_name: None,
-                },
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                boot_mode: None,
                 online,
-                description: None,
-                consumer_ref: None,
+                ..MetalHostSpec::for_tests()
             },
         );
         h.metadata.namespace = Some("ns".into());

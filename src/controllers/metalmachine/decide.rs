@@ -703,7 +703,7 @@ mod tests {
     use super::*;
     use crate::api::capi::{Cluster, Machine, MachineSpec};
     use crate::api::metalhost::MetalHostStatus;
-    use crate::api::metalhost::{BmcDetails, ConsumerReference, HostState, MetalHostSpec};
+    use crate::api::metalhost::{ConsumerReference, HostState, MetalHostSpec};
     use crate::api::metalmachine::MetalMachineSpec;
     use crate::api::{DEFAULT_FAILURE_DOMAIN_LABEL, MetalMachine};
     use crate::boot::tokens::Token;
@@ -775,17 +775,8 @@ mod tests {
         let mut h = MetalHost::new(
             name,
             MetalHostSpec {
-                bmc: BmcDetails {
-                    address: "redfish://b".into(),
-                    credentials_name: "c".into(),
-                    disable_certificate_verification: None,
-                    ca_secret_name: None,
-                },
-                boot_mac_address: "52:54:00:00:00:01".into(),
-                boot_mode: None,
-                online: true,
-                description: None,
                 consumer_ref: consumer.map(|c| ConsumerReference::to_metal_machine(c, "ns")),
+                ..MetalHostSpec::for_tests()
             },
         );
         h.metadata.namespace = Some("ns".into());
