@@ -40,19 +40,36 @@ impl Expectations {
         let Some((replaced, at)) = pending.get(key) else {
             return true;
         };
-        if replaced.as_deref() != seen {
-            pending.remove(key);
-            return true;
+        if still_pending(key, replaced.as_deref(), *at, seen) {
+            return false;
         }
-        if at.elapsed() >= EXPECTATION_TTL {
-            tracing::warn!(
-                object = key,
-                "the store never showed our write; deciding without it"
-            );
-            pending.remove(key);
-            return true;
-        }
-        false
+        pending.remove(key);
+        true
+    }
+
+    /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that the store does
+    /// not reflect yet; `seen(key)` gives the store's version. Only pending entries are looked
+    /// at, so this costs nothing per object in the store.
+    pub fn first_unmet(
+        &self,
+        prefix: &str,
+        seen: impl Fn(&str) -> Option<String>,
+    ) -> Option<String> {
+        let Ok(mut pending) = self.pending.lock() else {
+            return None;
+        };
+        let mut unmet = None;
+        pending.retain(|key, (replaced, at)| {
+            if unmet.is_some() || !key.starts_with(prefix) {
+                return true;
+            }
+            let pending = still_pending(key, replaced.as_deref(), *at, seen(key).as_deref());
+            if pending {
+                unmet = Some(key.clone());
+            }
+            pending
+        });
+        unmet
     }
 
     /// Drops everything about `key` (the object is gone for good).
@@ -69,6 +86,21 @@ impl Expectations {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Whether a write that replaced `replaced` at `at` is still unseen by a store showing `seen`.
+fn still_pending(key: &str, replaced: Option<&str>, at: Instant, seen: Option<&str>) -> bool {
+    if replaced != seen {
+        return false;
+    }
+    if at.elapsed() >= EXPECTATION_TTL {
+        tracing::warn!(
+            object = key,
+            "the store never showed our write; deciding without it"
+        );
+        return false;
+    }
+    true
 }
 
 /// The key of an object for expectations and logs.
@@ -111,6 +143,25 @@ mod tests {
         );
         assert!(e.satisfied("S/ns/old", None));
         assert!(e.is_empty());
+    }
+
+    #[test]
+    fn pending_writes_are_found_by_prefix_without_touching_others() {
+        let e = Expectations::default();
+        e.wrote("H/ns/a".into(), Some("1".into()), Some("2".into()));
+        e.wrote("H/ns/b".into(), Some("5".into()), Some("6".into()));
+        e.wrote("H/ns2/a".into(), Some("9".into()), Some("10".into()));
+        let store = |key: &str| match key {
+            "H/ns/a" => Some("2".to_string()),
+            "H/ns/b" => Some("5".to_string()),
+            _ => None,
+        };
+        assert_eq!(e.first_unmet("H/ns/", store), Some("H/ns/b".into()));
+        assert!(e.satisfied("H/ns/a", Some("1")), "a was met and forgotten");
+        assert!(
+            !e.satisfied("H/ns2/a", Some("9")),
+            "another namespace is untouched"
+        );
     }
 
     #[test]

@@ -101,6 +101,28 @@ impl TargetError {
     }
 }
 
+/// The host's BMC driver, connected (cached per host) or the fault that prevents it, as a
+/// condition reason and message. Both controllers that talk to BMCs go through here.
+pub async fn connect(
+    client: &kube::Client,
+    connector: &dyn BmcConnector,
+    host: &MetalHost,
+) -> Result<Arc<dyn Bmc>, crate::controllers::power::Fault> {
+    use crate::controllers::power::Fault;
+    let target = load_target(client, host).await.map_err(|e| Fault {
+        reason: e.reason(),
+        message: e.to_string(),
+    })?;
+    let host_key = format!(
+        "{}/{}",
+        host.namespace().unwrap_or_default(),
+        host.name_any()
+    );
+    connector
+        .connect(&host_key, target)
+        .map_err(|e| Fault::from_bmc(&e))
+}
+
 /// Reads the host's credentials (and CA) Secrets.
 pub async fn load_target(
     client: &kube::Client,

@@ -30,7 +30,7 @@ use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
 use crate::bmc::Bmc;
 
 use super::conditions::{self, Want};
-use super::hostbmc::{BmcConnector, load_target};
+use super::hostbmc::BmcConnector;
 use super::metalmachine::DEPROVISION_FAILED_ANNOTATION;
 use super::power::{PowerOffStep, PowerRequests, power_off_step};
 use super::{Backoff, Events, ReconcileError, SharedStores, key};
@@ -116,8 +116,7 @@ pub fn consumer_of(host: &MetalHost, machines: &Store<MetalMachine>) -> Consumer
 /// The host's lifecycle state, from facts: registration, an abandoned deprovisioning, the claim
 /// and its consumer. A claimed host is never Available; a host whose consumer is missing (a
 /// restore, a move in progress) keeps a busy state and is left alone.
-pub fn desired_state(host: &MetalHost, consumer: Consumer) -> HostState {
-    let status = host.status.clone().unwrap_or_default();
+pub fn desired_state(host: &MetalHost, status: &MetalHostStatus, consumer: Consumer) -> HostState {
     if status.error_type == Some(HostErrorType::RegistrationError)
         || !conditions::is_true(&status.conditions, REGISTERED)
     {
@@ -152,11 +151,7 @@ fn settle(
     now: &Time,
 ) -> MetalHostStatus {
     let generation = host.metadata.generation;
-    let probe = MetalHost {
-        status: Some(status.clone()),
-        ..host.clone()
-    };
-    let state = desired_state(&probe, consumer);
+    let state = desired_state(host, &status, consumer);
     status.state = Some(state);
     if state == HostState::Error && status.error_type != Some(HostErrorType::RegistrationError) {
         status.error_type = Some(HostErrorType::DeprovisioningError);
@@ -255,14 +250,13 @@ pub fn registration_status(
     status
 }
 
-/// Status after a power read (registered host).
+/// Status after a power read (registered host): `status` with the reading applied.
 pub fn poll_status(
-    host: &MetalHost,
+    mut status: MetalHostStatus,
+    generation: Option<i64>,
     result: Result<PowerState, Fault>,
     now: &Time,
 ) -> MetalHostStatus {
-    let mut status = host.status.clone().unwrap_or_default();
-    let generation = host.metadata.generation;
     match result {
         Ok(power) => {
             status.power_state = Some(power);
@@ -315,18 +309,8 @@ pub async fn write_status(
         .map(|_| ())
 }
 
-pub fn fault(e: &crate::bmc::BmcError) -> Fault {
-    Fault::from_bmc(e)
-}
-
 async fn connect(ctx: &HostContext, host: &MetalHost) -> Result<Arc<dyn Bmc>, Fault> {
-    let target = load_target(&ctx.client, host).await.map_err(|e| Fault {
-        reason: e.reason(),
-        message: e.to_string(),
-    })?;
-    ctx.connector
-        .connect(&key(host), target)
-        .map_err(|e| fault(&e))
+    super::hostbmc::connect(&ctx.client, ctx.connector.as_ref(), host).await
 }
 
 async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action, ReconcileError> {
@@ -374,7 +358,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => match bmc.power_state().await {
-                    Err(e) => Err(fault(&e)),
+                    Err(e) => Err(Fault::from_bmc(&e)),
                     Ok(power) => {
                         let inventory = if host
                             .status
@@ -452,7 +436,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 .unwrap_or_default();
             let bmc = connect(ctx, &host).await;
             let power = match &bmc {
-                Ok(b) => b.power_state().await.map_err(|e| fault(&e)),
+                Ok(b) => b.power_state().await.map_err(|e| Fault::from_bmc(&e)),
                 Err(f) => Err(f.clone()),
             };
             let step = power_off_step(
@@ -487,20 +471,19 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             if step == PowerOffStep::Done {
                 ctx.power_requests.forget(&host_key);
             }
-            let probe = MetalHost {
-                status: Some(status),
-                ..(*host).clone()
-            };
-            let status = settle(&host, poll_status(&probe, power, &now), consumer, &now);
+            let polled = poll_status(status, host.metadata.generation, power, &now);
+            let status = settle(&host, polled, consumer, &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
             let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
-                Ok(bmc) => bmc.power_state().await.map_err(|e| fault(&e)),
+                Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
             };
-            let status = settle(&host, poll_status(&host, result, &now), consumer, &now);
+            let current = host.status.clone().unwrap_or_default();
+            let polled = poll_status(current, host.metadata.generation, result, &now);
+            let status = settle(&host, polled, consumer, &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
@@ -516,13 +499,9 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 // A new state is worth a fresh power reading (a boot or power-off just happened).
                 let result = match connect(ctx, &host).await {
                     Err(f) => Err(f),
-                    Ok(bmc) => bmc.power_state().await.map_err(|e| fault(&e)),
+                    Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
                 };
-                let probe = MetalHost {
-                    status: Some(status),
-                    ..(*host).clone()
-                };
-                let status = poll_status(&probe, result, &now);
+                let status = poll_status(status, host.metadata.generation, result, &now);
                 write_status(&api, &host, &status).await?;
                 return Ok(Action::requeue(interval));
             }
@@ -585,6 +564,11 @@ pub fn controller(
         })
         .watches_shared_stream(machines, move |mm: Arc<MetalMachine>| {
             let namespace = mm.namespace().unwrap_or_default();
+            // The machine names its host in status once it has one; only a machine without
+            // that (claiming, or restored without status) costs a scan of the hosts.
+            if let Some(host) = mm.status.as_ref().and_then(|s| s.host_ref.as_ref()) {
+                return vec![ObjectRef::new(&host.name).within(&namespace)];
+            }
             let name = mm.name_any();
             claimed
                 .state()
@@ -824,11 +808,16 @@ mod tests {
             ),
         ];
         for (what, h, consumer, want) in rows {
-            assert_eq!(desired_state(&h, consumer), want, "{what}");
+            let status = h.status.clone().unwrap_or_default();
+            assert_eq!(desired_state(&h, &status, consumer), want, "{what}");
         }
         let unregistered = host(None, true);
         assert_eq!(
-            desired_state(&unregistered, Consumer::Provisioning),
+            desired_state(
+                &unregistered,
+                &MetalHostStatus::default(),
+                Consumer::Provisioning
+            ),
             HostState::Registering,
             "registration comes first"
         );

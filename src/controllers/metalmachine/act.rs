@@ -13,9 +13,8 @@ use crate::api::{CLUSTER_NAME_LABEL, MetalHost, MetalMachine};
 use crate::bmc::{Bmc, BootDevice, PowerAction};
 use crate::boot::tokens::{self, NewAttempt};
 use crate::controllers::expectations::object_key;
-use crate::controllers::hostbmc::load_target;
 use crate::controllers::power::Fault;
-use crate::controllers::{ReconcileError, key, merge_params};
+use crate::controllers::{ReconcileError, merge_params};
 
 use super::decide::Step;
 use super::observe::{BootObservation, Observed, OwnerObservation};
@@ -43,13 +42,36 @@ fn write_error(what: String) -> impl FnOnce(kube::Error) -> ActError {
 }
 
 pub async fn bmc_for(ctx: &MachineContext, host: &MetalHost) -> Result<Arc<dyn Bmc>, Fault> {
-    let target = load_target(&ctx.client, host).await.map_err(|e| Fault {
-        reason: e.reason(),
-        message: e.to_string(),
-    })?;
-    ctx.connector
-        .connect(&key(host), target)
-        .map_err(|e| Fault::from_bmc(&e))
+    crate::controllers::hostbmc::connect(&ctx.client, ctx.connector.as_ref(), host).await
+}
+
+/// A merge patch conditioned on `replaced`, the resourceVersion the decision was made from (a
+/// stale decision becomes a 409 and is decided again), recorded as an expectation so the next
+/// decision waits until the store shows it.
+async fn patch_from<K>(
+    ctx: &MachineContext,
+    api: &Api<K>,
+    namespace: &str,
+    name: &str,
+    replaced: Option<String>,
+    mut patch: serde_json::Value,
+    what: &str,
+) -> Result<K, ActError>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let kind = K::kind(&());
+    patch["metadata"]["resourceVersion"] = serde_json::json!(replaced);
+    let written = api
+        .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
+        .await
+        .map_err(write_error(format!("{kind} {name} {what}")))?;
+    ctx.expectations.wrote(
+        object_key(&kind, namespace, name),
+        replaced,
+        written.meta().resource_version.clone(),
+    );
+    Ok(written)
 }
 
 fn host_named<'a>(o: &'a Observed, name: &str) -> Result<&'a MetalHost, ActError> {
@@ -82,22 +104,26 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             if *step == Step::AddFinalizer {
                 finalizers.push(FINALIZER.into());
             }
-            // A merge patch with the resourceVersion we decided from: a stale read is a 409 and
-            // a new decision, never a lost finalizer of someone else.
-            let patch = serde_json::json!({"metadata": {
-                "finalizers": finalizers, "resourceVersion": mm.resource_version()}});
-            let written = machines
-                .patch(&name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
-                .await
-                .map_err(write_error(format!("MetalMachine {name} finalizers")))?;
+            // Conditioned on the version we decided from: a stale read is a 409 and a new
+            // decision, never a lost finalizer of someone else.
+            let patch = serde_json::json!({"metadata": {"finalizers": finalizers}});
+            let replaced = mm.resource_version();
+            patch_from(
+                ctx,
+                &machines,
+                &namespace,
+                &name,
+                replaced,
+                patch,
+                "finalizers",
+            )
+            .await?;
             if *step == Step::RemoveFinalizer {
+                // The machine is gone for good: drop everything kept about it.
                 ctx.expectations.forget(&mm_key);
                 ctx.expectations.forget(&boot_key);
                 ctx.power_requests.forget(&mm_key);
-                ctx.backoff.reset(&mm_key);
-            } else {
-                ctx.expectations
-                    .wrote(mm_key, mm.resource_version(), written.resource_version());
+                ctx.backoff.reset(&crate::controllers::key(mm));
             }
             Ok(())
         }
@@ -106,19 +132,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             resource_version,
         } => {
             let consumer = ConsumerReference::to_metal_machine(&name, &namespace);
-            let patch = serde_json::json!({
-                "metadata": {"resourceVersion": resource_version},
-                "spec": {"consumerRef": consumer},
-            });
-            let written = hosts
-                .patch(host, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
-                .await
-                .map_err(write_error(format!("MetalHost {host} claim")))?;
-            ctx.expectations.wrote(
-                object_key("MetalHost", &namespace, host),
-                Some(resource_version.clone()),
-                written.resource_version(),
-            );
+            let patch = serde_json::json!({"spec": {"consumerRef": consumer}});
+            let replaced = Some(resource_version.clone());
+            patch_from(ctx, &hosts, &namespace, host, replaced, patch, "claim").await?;
             Ok(())
         }
         Step::Mint { host, provider_id } => {
@@ -170,21 +186,18 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             bmc.power(action)
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
-            let mut patch = tokens::powered_patch(o.now);
-            patch["metadata"]["resourceVersion"] = serde_json::json!(record.resource_version);
-            let written = secrets
-                .patch(
-                    &boot_name,
-                    &merge_params(FIELD_MANAGER),
-                    &Patch::Merge(&patch),
-                )
-                .await
-                .map_err(write_error(format!("Secret {boot_name} powered-at")))?;
-            ctx.expectations.wrote(
-                boot_key,
-                record.resource_version.clone(),
-                written.resource_version(),
-            );
+            let patch = tokens::powered_patch(o.now);
+            let replaced = record.resource_version.clone();
+            patch_from(
+                ctx,
+                &secrets,
+                &namespace,
+                &boot_name,
+                replaced,
+                patch,
+                "powered-at",
+            )
+            .await?;
             ctx.events
                 .publish(
                     mm,
@@ -230,18 +243,20 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 spec["failureDomain"] = serde_json::json!(fd);
             }
             let patch = serde_json::json!({
-                "metadata": {
-                    "resourceVersion": mm.resource_version(),
-                    "annotations": {ADDRESSES_ANNOTATION: addresses},
-                },
+                "metadata": {"annotations": {ADDRESSES_ANNOTATION: addresses}},
                 "spec": spec,
             });
-            let written = machines
-                .patch(&name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
-                .await
-                .map_err(write_error(format!("MetalMachine {name} providerID")))?;
-            ctx.expectations
-                .wrote(mm_key, mm.resource_version(), written.resource_version());
+            let replaced = mm.resource_version();
+            patch_from(
+                ctx,
+                &machines,
+                &namespace,
+                &name,
+                replaced,
+                patch,
+                "providerID",
+            )
+            .await?;
             if let BootObservation::Record(record) = &o.boot
                 && let Some(callback) = &record.callback
                 && let Ok(called) = callback.received_at.parse::<jiff::Timestamp>()
@@ -340,21 +355,12 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 )
             });
             let patch = serde_json::json!({
-                "metadata": {
-                    "resourceVersion": resource_version,
-                    "annotations": {DEPROVISION_FAILED_ANNOTATION: failed},
-                },
+                "metadata": {"annotations": {DEPROVISION_FAILED_ANNOTATION: failed}},
                 "spec": {"consumerRef": null},
             });
-            let written = hosts
-                .patch(host, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
-                .await
-                .map_err(write_error(format!("MetalHost {host} release")))?;
-            ctx.expectations.wrote(
-                object_key("MetalHost", &namespace, host),
-                Some(resource_version.clone()),
-                written.resource_version(),
-            );
+            let replaced = Some(resource_version.clone());
+            let written =
+                patch_from(ctx, &hosts, &namespace, host, replaced, patch, "release").await?;
             ctx.power_requests.forget(&mm_key);
             if fault.is_some() {
                 ctx.events

@@ -128,14 +128,15 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         .into_iter()
         .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
         .collect();
-    for host in &hosts {
-        let key = object_key("MetalHost", &namespace, &host.name_any());
-        if !ctx
-            .expectations
-            .satisfied(&key, host.resource_version().as_deref())
-        {
-            return Observation::Stale(key);
-        }
+    let host_prefix = object_key("MetalHost", &namespace, "");
+    if let Some(key) = ctx.expectations.first_unmet(&host_prefix, |key| {
+        let host = key.strip_prefix(&host_prefix).unwrap_or_default();
+        stores
+            .hosts
+            .get(&ObjectRef::new(host).within(&namespace))
+            .and_then(|h| h.resource_version())
+    }) {
+        return Observation::Stale(key);
     }
     let secret_name = tokens::boot_secret_name(&name);
     let secret = stores
