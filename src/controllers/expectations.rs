@@ -60,11 +60,13 @@ impl Expectations {
         };
         let mut unmet = None;
         pending.retain(|key, (replaced, at)| {
-            if unmet.is_some() || !key.starts_with(prefix) {
+            if !key.starts_with(prefix) {
                 return true;
             }
+            // Every entry under the prefix is checked, so met ones are forgotten whatever the
+            // map's order; the first unmet one found is reported.
             let pending = still_pending(key, replaced.as_deref(), *at, seen(key).as_deref());
-            if pending {
+            if pending && unmet.is_none() {
                 unmet = Some(key.clone());
             }
             pending
