@@ -69,6 +69,13 @@ pub struct ManagerArgs {
     /// Namespace of the leader Lease (defaults to $POD_NAMESPACE, then "default").
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub leader_election_namespace: String,
+    /// Seconds the leader Lease stays valid after a renewal; a standby takes over after that.
+    #[arg(long, default_value_t = 15)]
+    pub leader_elect_lease_seconds: u64,
+    /// The leader renews when fewer than this many seconds are left, and stops writing when
+    /// fewer than half of them are left (the margin for clock skew between replicas).
+    #[arg(long, default_value_t = 10)]
+    pub leader_elect_grace_seconds: u64,
     /// Address of the boot service's HTTP side.
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub boot_http_bind: std::net::SocketAddr,
@@ -102,6 +109,19 @@ pub struct ManagerArgs {
 }
 
 impl ManagerArgs {
+    /// This replica's name in the leader Lease and the User-Agent: $POD_NAME, else host and pid.
+    pub fn identity(&self) -> String {
+        std::env::var("POD_NAME")
+            .ok()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_default();
+                format!("{host}-{}", std::process::id())
+            })
+    }
+
     pub fn options(&self) -> crate::manager::ManagerOptions {
         let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
         crate::manager::ManagerOptions {
@@ -111,11 +131,9 @@ impl ManagerArgs {
             leader_election: self.leader_elect.then(|| crate::leader::LeaseConfig {
                 namespace: self.leader_election_namespace.clone(),
                 name: "metalboot-manager".into(),
-                identity: std::env::var("POD_NAME").unwrap_or_else(|_| {
-                    format!("metalboot-{}-{}", std::process::id(), rand::random::<u32>())
-                }),
-                duration: std::time::Duration::from_secs(15),
-                renew: std::time::Duration::from_secs(5),
+                identity: self.identity(),
+                duration: std::time::Duration::from_secs(self.leader_elect_lease_seconds),
+                grace: std::time::Duration::from_secs(self.leader_elect_grace_seconds),
             }),
             boot_http: self.boot_http_bind,
             advertise_url: self.advertise_url.clone(),
@@ -212,7 +230,7 @@ pub async fn run() -> ExitCode {
 async fn dispatch(command: Command) -> Result<(), String> {
     match command {
         Command::Manager(args) => {
-            let conn = crate::kubeconn::connect(args.kubeconfig.as_deref())
+            let conn = crate::kubeconn::connect(args.kubeconfig.as_deref(), &args.identity())
                 .await
                 .map_err(|e| e.to_string())?;
             tracing::info!(server = %conn.server, source = %conn.source_desc, "connected to the management cluster");
@@ -222,8 +240,7 @@ async fn dispatch(command: Command) -> Result<(), String> {
             let running = crate::manager::start(conn.client, args.options())
                 .await
                 .map_err(|e| e.to_string())?;
-            running.wait().await;
-            Ok(())
+            running.wait().await.map_err(|e| e.to_string())
         }
         Command::Bmc(args) => crate::bmc::cli::run(args).await,
         Command::Crds { out_dir } => write_crds(out_dir.as_deref()),

@@ -68,6 +68,20 @@ fn io_err<'a>(
     }
 }
 
+/// The apiserver's audit log, in the data directory: one JSON line per write, with the
+/// User-Agent (metalboot puts the replica's identity there) — who wrote what, and when.
+pub const AUDIT_LOG: &str = "audit.log";
+
+/// Writes only, at Metadata level (no bodies, so no Secret content), written before the reply.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+";
+
 /// How the started processes relate to this one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lifetime {
@@ -192,6 +206,8 @@ impl ControlPlane {
         children.push(spawn("etcd", etcd, &etcd_log, opts.lifetime)?);
 
         let api_log = dir.join("kube-apiserver.log");
+        let audit_policy = write("audit-policy.yaml", AUDIT_POLICY)?;
+        let audit_log = dir.join(AUDIT_LOG);
         let mut api = Command::new(&apiserver_bin);
         api.arg(format!("--etcd-servers={etcd_url}"))
             .arg(format!("--secure-port={api_port}"))
@@ -215,6 +231,11 @@ impl ControlPlane {
             ))
             .arg("--service-account-issuer=https://kubernetes.default.svc")
             .arg(format!("--cert-dir={}", pki_dir.display()))
+            .arg(format!("--audit-policy-file={}", audit_policy.display()))
+            .arg(format!("--audit-log-path={}", audit_log.display()))
+            .arg("--audit-log-format=json")
+            .arg("--audit-log-maxsize=100")
+            .arg("--audit-log-maxbackup=1")
             .arg("--v=1");
         children.push(spawn("kube-apiserver", api, &api_log, opts.lifetime)?);
 

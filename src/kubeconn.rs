@@ -39,9 +39,17 @@ fn home_kubeconfig() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| Path::new(&h).join(".kube/config"))
 }
 
+/// The User-Agent of every request: the apiserver's audit log then says which replica wrote what.
+pub fn user_agent(identity: &str) -> String {
+    format!("metalboot/{} ({identity})", env!("CARGO_PKG_VERSION"))
+}
+
 /// Loads the config the way kubectl does (flag, `$KUBECONFIG`, `~/.kube/config`, in-cluster) and
-/// proves the apiserver answers.
-pub async fn connect(kubeconfig: Option<&Path>) -> Result<Connection, ConnectError> {
+/// proves the apiserver answers. `identity` goes into the User-Agent.
+pub async fn connect(
+    kubeconfig: Option<&Path>,
+    identity: &str,
+) -> Result<Connection, ConnectError> {
     let opts = KubeConfigOptions::default();
     let load = |source_desc: &str, e: &dyn std::fmt::Display| ConnectError::Load {
         source_desc: source_desc.to_string(),
@@ -78,6 +86,9 @@ pub async fn connect(kubeconfig: Option<&Path>) -> Result<Connection, ConnectErr
         (config, "in-cluster service account".to_string())
     };
     config.connect_timeout = Some(Duration::from_secs(5));
+    if let Ok(agent) = http::HeaderValue::from_str(&user_agent(identity)) {
+        config.headers.push((http::header::USER_AGENT, agent));
+    }
     let server = config.cluster_url.to_string();
     let unreachable = |message: String| ConnectError::Unreachable {
         server: server.clone(),

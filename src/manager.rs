@@ -14,7 +14,7 @@ use crate::controllers::hostbmc::{BmcConnector, RedfishConnector};
 use crate::controllers::{
     Backoff, Events, cloudinitconfig, cluster, machine, metalcluster, metalhost, metalmachine,
 };
-use crate::leader::{self, LeaseConfig};
+use crate::leader::{self, Leadership, LeaseConfig};
 
 #[derive(Clone)]
 pub struct ManagerOptions {
@@ -76,6 +76,10 @@ pub enum ManagerError {
     Tftp(String),
     #[error("iPXE templates: {0}")]
     Templates(#[from] minijinja::Error),
+    #[error(transparent)]
+    Leader(#[from] leader::LeaderError),
+    #[error("stopped acting: {0}")]
+    LeadershipLost(leader::Lost),
 }
 
 /// A running manager. Dropping it stops everything it started (tests use that as a "kill").
@@ -90,13 +94,32 @@ pub struct RunningManager {
     tasks: Vec<JoinHandle<()>>,
     /// Helpers that finish on their own (store sync); aborted with the manager.
     helpers: Vec<JoinHandle<()>>,
+    /// Held while this replica leads (None without leader election).
+    leadership: Option<Leadership>,
 }
 
 impl RunningManager {
-    /// Runs until one of its tasks ends (a controller stops on SIGTERM/SIGINT).
-    pub async fn wait(mut self) {
+    /// Runs until one of its tasks ends (a controller stops on SIGTERM/SIGINT), then steps down;
+    /// or until leadership is lost, which is an error: the process must exit, not act on.
+    pub async fn wait(mut self) -> Result<(), ManagerError> {
         let tasks = std::mem::take(&mut self.tasks);
-        let _ = futures::future::select_all(tasks).await;
+        let leadership = self.leadership.take();
+        let Some(mut leadership) = leadership else {
+            let _ = futures::future::select_all(tasks).await;
+            return Ok(());
+        };
+        tokio::select! {
+            _ = futures::future::select_all(tasks) => {
+                leadership.release().await;
+                Ok(())
+            }
+            lost = leadership.lost() => Err(ManagerError::LeadershipLost(lost)),
+        }
+    }
+
+    /// The write fence, when leader election is on.
+    pub fn fence(&self) -> Option<Arc<leader::WriteFence>> {
+        self.leadership.as_ref().map(Leadership::fence)
     }
 }
 
@@ -112,6 +135,24 @@ pub async fn start(
     client: kube::Client,
     opts: ManagerOptions,
 ) -> Result<RunningManager, ManagerError> {
+    let base_url = match &opts.advertise_url {
+        Some(url) => url.trim_end_matches('/').to_string(),
+        None if opts.boot_http.ip().is_unspecified() => {
+            return Err(ManagerError::NoAdvertiseAddress(opts.boot_http));
+        }
+        None => format!("http://{}", opts.boot_http),
+    };
+    // A standby waits here, with no listener: hosts and load balancers see only the leader's
+    // boot service, and a standby never accepts a connection it would not answer.
+    let leadership = match opts.leader_election.clone() {
+        Some(lease) => Some(leader::acquire(client.clone(), lease).await?),
+        None => None,
+    };
+    // From here on every write goes through the fence: none after the renew deadline.
+    let client = match &leadership {
+        Some(leadership) => leadership.fenced(client),
+        None => client,
+    };
     let listener = tokio::net::TcpListener::bind(opts.boot_http)
         .await
         .map_err(|source| ManagerError::Bind {
@@ -122,15 +163,11 @@ pub async fn start(
         addr: opts.boot_http,
         source,
     })?;
+    // Port 0 (tests) is only known now.
     let base_url = match &opts.advertise_url {
-        Some(url) => url.trim_end_matches('/').to_string(),
-        None if boot_addr.ip().is_unspecified() => {
-            return Err(ManagerError::NoAdvertiseAddress(boot_addr));
-        }
-        None => format!("http://{boot_addr}"),
+        None if opts.boot_http.port() == 0 => format!("http://{boot_addr}"),
+        _ => base_url,
     };
-    // Bound before leader election like HTTP, so a wrong address fails at once; both sides only
-    // read, so a standby replica may serve them too.
     let tftp = match &opts.tftp {
         Some((addr, root)) => Some(
             crate::boot::tftp::Tftp::bind(*addr, root)
@@ -140,9 +177,6 @@ pub async fn start(
         None => None,
     };
     let tftp_addr = tftp.as_ref().and_then(|t| t.local_addr());
-    if let Some(lease) = opts.leader_election.clone() {
-        leader::acquire(client.clone(), lease).await;
-    }
     let namespace = opts.namespace.as_deref();
     let connector: Arc<dyn BmcConnector> = Arc::new(RedfishConnector::new(opts.bmc_timeout));
     let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
@@ -297,5 +331,6 @@ pub async fn start(
         boot,
         tasks,
         helpers,
+        leadership,
     })
 }

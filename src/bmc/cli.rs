@@ -91,7 +91,7 @@ async fn credentials(args: &BmcArgs) -> Result<Credentials, String> {
                 "--credentials-secret {reference:?}: expected namespace/name"
             ));
         };
-        let conn = crate::kubeconn::connect(None)
+        let conn = crate::kubeconn::connect(None, "bmc-cli")
             .await
             .map_err(|e| e.to_string())?;
         let api: kube::Api<k8s_openapi::api::core::v1::Secret> =

@@ -19,6 +19,8 @@ pub struct SharedControlPlane {
     pub kubeconfig_path: PathBuf,
     pub server: String,
     pub ca_pem: String,
+    /// Holds the apiserver's audit log (`controlplane::AUDIT_LOG`).
+    pub data_dir: PathBuf,
 }
 
 /// The binary's control plane, started on first call.
@@ -59,6 +61,7 @@ pub fn control_plane() -> &'static SharedControlPlane {
                 kubeconfig_path: cp.kubeconfig_path.clone(),
                 server: cp.server.clone(),
                 ca_pem: cp.ca_pem.clone(),
+                data_dir: cp.data_dir.clone(),
             };
             // Processes die with this test binary (PDEATHSIG + atexit), not when a test ends.
             std::mem::forget(cp);
