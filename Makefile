@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps control-plane sushy test lab lab-down crds deploy lint fmt bench
+.PHONY: all deps control-plane sushy test soak lab lab-down crds deploy lint fmt bench
 
 all: test
 
@@ -21,6 +21,11 @@ sushy: deps
 ## test: the whole suite against a real control plane and a real Redfish emulator
 test: deps control-plane sushy
 	@CARGO=$(CARGO) hack/test.sh
+
+## soak: SIGKILL the manager at random points while five hosts provision (CYCLES=50 for a long run)
+CYCLES ?= 50
+soak: deps control-plane sushy
+	METALBOOT_SOAK_CYCLES=$(CYCLES) $(CARGO) test --test soak -- --nocapture
 
 ## lab: start the local lab and leave it running (`make lab-down` stops it)
 lab: deps control-plane

@@ -111,6 +111,21 @@ fn json_response(status: u16, body: Vec<u8>) -> Response {
     }
 }
 
+#[derive(Clone)]
+pub struct ProxyLog(Arc<State>);
+
+impl ProxyLog {
+    pub fn count(&self, method: &str, path_prefix: &str) -> usize {
+        self.0
+            .log
+            .lock()
+            .expect("log")
+            .iter()
+            .filter(|e| e.method == method && e.path.starts_with(path_prefix))
+            .count()
+    }
+}
+
 impl FaultProxy {
     /// Start a proxy to `upstream` (an `http://` base URL) on a free loopback port.
     pub async fn start(upstream: &str, sessions: bool) -> FaultProxy {
@@ -181,10 +196,12 @@ impl FaultProxy {
     }
 
     pub fn count(&self, method: &str, path_prefix: &str) -> usize {
-        self.log()
-            .iter()
-            .filter(|e| e.method == method && e.path.starts_with(path_prefix))
-            .count()
+        self.log_handle().count(method, path_prefix)
+    }
+
+    /// The request log, readable from another task.
+    pub fn log_handle(&self) -> ProxyLog {
+        ProxyLog(self.state.clone())
     }
 
     pub fn max_in_flight(&self) -> usize {

@@ -137,6 +137,25 @@ pub async fn standalone_env(prefix: &str) -> (TestNamespace, metalboot::manager:
     (ns, manager)
 }
 
+/// Polls `check` until it returns Some or `secs` pass; None on timeout (the caller explains).
+pub async fn eventually_or<T, F, Fut>(what: &str, secs: u64, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if std::time::Instant::now() > deadline {
+            eprintln!("timed out after {secs}s waiting for {what}");
+            return None;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
 /// Polls `check` until it returns Some or `secs` pass; panics with `what` on timeout.
 pub async fn eventually<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
 where
