@@ -24,7 +24,6 @@ use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::bmc::{Bmc, BootDevice};
 use metalboot::manager::RunningManager;
 
-
 #[tokio::test]
 async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     let lab = lab("provision", 1).await;

@@ -170,9 +170,6 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
         )
         .await
         .expect("kubeconfig Secret");
-    for i in 0..HOSTS {
-        lab.machine(&format!("m{i}"), None, None).await;
-    }
 
     let boot = free_port();
     let player = Arc::new(Player {
@@ -196,11 +193,12 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
                 let powered = proxy.count("POST", &actions);
                 let on = bmc.power_state().await.ok() == Some(PowerState::On);
-                if powered > booted && on {
-                    if let Ok(answer) = player.boot(&mac).await {
-                        answers.push((std::time::Instant::now(), answer));
-                        booted = powered;
-                    }
+                if powered > booted
+                    && on
+                    && let Ok(answer) = player.boot(&mac).await
+                {
+                    answers.push((std::time::Instant::now(), answer));
+                    booted = powered;
                 }
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
@@ -218,7 +216,13 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
     let cycles = cycles();
     let mut uptimes = Vec::new();
     let mut kills = Vec::new();
-    for _ in 0..cycles {
+    let mut machines_made = 0;
+    for cycle in 0..cycles {
+        // Machines arrive spread over the run, so kills land in every phase of provisioning.
+        while machines_made < HOSTS && machines_made * cycles.max(1) <= cycle * HOSTS {
+            lab.machine(&format!("m{machines_made}"), None, None).await;
+            machines_made += 1;
+        }
         let mut manager = start_manager(&lab.ns.name, boot, &log);
         let uptime = Duration::from_millis(rand::rng().random_range(200..5000));
         uptimes.push(uptime);
@@ -226,6 +230,9 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
         tokio::time::sleep(uptime).await;
         sigkill(&mut manager);
         kills.push(std::time::Instant::now());
+    }
+    for late in machines_made..HOSTS {
+        lab.machine(&format!("m{late}"), None, None).await;
     }
     let mut manager = start_manager(&lab.ns.name, boot, &log);
 
@@ -293,8 +300,8 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
         .map(|b| b.iter().map(|(_, b)| b).collect())
         .collect();
     println!(
-        "{cycles} SIGKILLs after {:.1?} of uptime on average; kills each host lived through while \
-         provisioning: {kills_during:?}; power actions per host at the BMC: {power_actions:?}; \
+        "{cycles} SIGKILLs after {:.1?} of uptime on average; kills before each host's accepted callback: \
+         {kills_during:?}; power actions per host at the BMC: {power_actions:?}; \
          boots played per host: {boots:?}; consumers per host: {claims:?}",
         total / u32::try_from(cycles.max(1)).unwrap_or(1)
     );
@@ -317,10 +324,7 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
     let nodes: Api<Node> = Api::all(lab.ns.client.clone());
     for i in 0..HOSTS {
         let _ = nodes
-            .delete(
-                &format!("{}-m{i}", lab.ns.name),
-                &DeleteParams::default(),
-            )
+            .delete(&format!("{}-m{i}", lab.ns.name), &DeleteParams::default())
             .await;
     }
 }

@@ -21,8 +21,8 @@ use metalboot::bmc::redfish::{RedfishBmc, RedfishOptions};
 use metalboot::bmc::{Bmc, Credentials};
 use metalboot::manager::{ManagerOptions, RunningManager};
 
-use crate::support::boot::install_crds;
 use crate::support;
+use crate::support::boot::install_crds;
 
 pub const USER: &str = "admin";
 pub const PASSWORD: &str = "s3cret-bmc-pass";

@@ -18,9 +18,7 @@ use crate::controllers::{ReconcileError, merge_params};
 
 use super::decide::Step;
 use super::observe::{BootObservation, Observed, OwnerObservation};
-use super::{
-    ADDRESSES_ANNOTATION, DEPROVISION_FAILED_ANNOTATION, FIELD_MANAGER, FINALIZER, MachineContext,
-};
+use super::{ADDRESSES_ANNOTATION, FIELD_MANAGER, FINALIZER, MachineContext};
 
 /// Why a step was not done.
 #[derive(Debug)]
@@ -54,14 +52,14 @@ async fn patch_from<K>(
     namespace: &str,
     name: &str,
     replaced: Option<String>,
-    mut patch: serde_json::Value,
+    patch: serde_json::Value,
     what: &str,
 ) -> Result<K, ActError>
 where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let kind = K::kind(&());
-    patch["metadata"]["resourceVersion"] = serde_json::json!(replaced);
+    let patch = super::claim::conditioned(patch, replaced.as_deref());
     let written = api
         .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
         .await
@@ -132,7 +130,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             resource_version,
         } => {
             let consumer = ConsumerReference::to_metal_machine(&name, &namespace);
-            let patch = serde_json::json!({"spec": {"consumerRef": consumer}});
+            let patch = super::claim::claim_patch(&consumer);
             let replaced = Some(resource_version.clone());
             patch_from(ctx, &hosts, &namespace, host, replaced, patch, "claim").await?;
             Ok(())
@@ -354,10 +352,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                     f.message
                 )
             });
-            let patch = serde_json::json!({
-                "metadata": {"annotations": {DEPROVISION_FAILED_ANNOTATION: failed}},
-                "spec": {"consumerRef": null},
-            });
+            let patch = super::claim::release_patch(failed.as_deref());
             let replaced = Some(resource_version.clone());
             let written =
                 patch_from(ctx, &hosts, &namespace, host, replaced, patch, "release").await?;

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use kube::ResourceExt;
 use kube::core::{Selector, SelectorExt};
 
-use crate::api::metalhost::HostState;
+use crate::api::metalhost::{ConsumerReference, HostState};
 use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
+use crate::controllers::metalmachine::DEPROVISION_FAILED_ANNOTATION;
 
 /// The host whose `spec.consumerRef` names this machine (by namespace and name: UIDs change on
 /// `clusterctl move`, names do not).
@@ -127,6 +128,29 @@ pub fn best_candidate(
             namespace: mm.namespace().unwrap_or_default(),
             selector: "{}".into(),
         })
+}
+
+/// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
+pub fn claim_patch(consumer: &ConsumerReference) -> serde_json::Value {
+    serde_json::json!({"spec": {"consumerRef": consumer}})
+}
+
+/// The release: no consumer, and the deprovisioning fault (or its removal) for the operator.
+pub fn release_patch(deprovision_failed: Option<&str>) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {"annotations": {DEPROVISION_FAILED_ANNOTATION: deprovision_failed}},
+        "spec": {"consumerRef": null},
+    })
+}
+
+/// `patch`, applied only to the version it was decided from: a stale read is a 409 and a new
+/// decision, never a lost write of another controller.
+pub fn conditioned(
+    mut patch: serde_json::Value,
+    resource_version: Option<&str>,
+) -> serde_json::Value {
+    patch["metadata"]["resourceVersion"] = serde_json::json!(resource_version);
+    patch
 }
 
 #[cfg(test)]
