@@ -29,7 +29,7 @@ async fn status_claims_and_operator_edits_on_one_host_lose_nothing() {
         for round in 0..ROUNDS {
             let status = MetalHostStatus {
                 state: Some(HostState::Available),
-                power_state: Some(if round % 2 == 0 {
+                power_state: Some(if round.is_multiple_of(2) {
                     PowerState::On
                 } else {
                     PowerState::Off
@@ -50,7 +50,7 @@ async fn status_claims_and_operator_edits_on_one_host_lose_nothing() {
         for round in 0..ROUNDS {
             loop {
                 let host = hosts.get("h").await.expect("read host");
-                let patch = if round % 2 == 0 {
+                let patch = if round.is_multiple_of(2) {
                     claim_patch(&ConsumerReference::to_metal_machine(
                         &format!("m{round}"),
                         &ns.name,
@@ -93,8 +93,9 @@ async fn status_claims_and_operator_edits_on_one_host_lose_nothing() {
     println!("{ROUNDS} rounds per writer; the claim writer re-read after {conflicts} conflicts");
 
     let consumer = host.spec.consumer_ref.clone();
-    let expected =
-        (last % 2 == 0).then(|| ConsumerReference::to_metal_machine(&format!("m{last}"), &ns.name));
+    let expected = last
+        .is_multiple_of(2)
+        .then(|| ConsumerReference::to_metal_machine(&format!("m{last}"), &ns.name));
     assert_eq!(consumer, expected, "the last claim/release stands");
     let status = host.status.clone().expect("status");
     assert_eq!(
