@@ -234,6 +234,30 @@ pub async fn start(
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),
     });
+    // The standalone Machine controller subscribes to the shared Cluster stream before it runs.
+    let mut standalone_machines = opts.standalone.then(|| {
+        let (triggers, wake) = machine::Triggers::new();
+        let listener = triggers.clone();
+        let machine_ctx = Arc::new(machine::MachineContext {
+            client: client.clone(),
+            events: Events::new(client.clone(), "metalboot-machine"),
+            backoff: Backoff::default(),
+            workloads: Arc::new(machine::Workloads::with_listener(Arc::new(move |node| {
+                listener.node_changed(node)
+            }))),
+            watch_filter: watch_filter.clone(),
+            clusters: stores.clusters.clone(),
+            triggers,
+            namespace: namespace.map(str::to_string),
+        });
+        let controller = machine::controller(
+            client.clone(),
+            namespace,
+            reflectors.clusters.subscribe(),
+            wake,
+        );
+        (controller, machine_ctx)
+    });
     reflectors.run(client.clone(), namespace);
 
     let state = Arc::new(BootState::new(
@@ -288,17 +312,9 @@ pub async fn start(
     )));
     if opts.standalone {
         // Upstream Cluster API's jobs, for clusters without it: Machines, Cluster status, bootstrap.
-        let machine_ctx = Arc::new(machine::MachineContext {
-            client: client.clone(),
-            events: Events::new(client.clone(), "metalboot-machine"),
-            backoff: Backoff::default(),
-            workloads: machine::Workloads::default(),
-            watch_filter: watch_filter.clone(),
-        });
-        tasks.push(tokio::spawn(machine::run(
-            machine::controller(client.clone(), namespace),
-            machine_ctx,
-        )));
+        if let Some((controller, ctx)) = standalone_machines.take() {
+            tasks.push(tokio::spawn(machine::run(controller, ctx)));
+        }
         let status_ctx = Arc::new(cluster::StatusContext {
             client: client.clone(),
             backoff: Backoff::default(),

@@ -1,6 +1,10 @@
 //! Resolving v1beta2 contract references (`{apiGroup, kind, name}`) to objects: the version comes
 //! from the CRD's `cluster.x-k8s.io/v1beta2` label, as upstream does.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -21,12 +25,29 @@ pub fn plural(kind: &str) -> String {
     }
 }
 
-/// The dynamic API for a reference in `namespace`.
-pub async fn api_for(
+/// How long a CRD's served contract version is trusted before the CRD is read again (a provider
+/// upgrade can change it; reading the CRD on every pass is what this cache avoids).
+const GVK_TTL: Duration = Duration::from_secs(300);
+
+type GvkCache = Mutex<HashMap<(String, String), (ApiResource, Instant)>>;
+
+fn gvk_cache() -> &'static GvkCache {
+    static CACHE: OnceLock<GvkCache> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// The API resource (contract version and plural) of a referenced kind, from its CRD.
+pub async fn resource_for(
     client: &kube::Client,
-    namespace: &str,
     r: &ContractVersionedObjectReference,
-) -> Result<Api<DynamicObject>, ReconcileError> {
+) -> Result<ApiResource, ReconcileError> {
+    let key = (r.api_group.clone(), r.kind.clone());
+    if let Ok(cache) = gvk_cache().lock()
+        && let Some((ar, at)) = cache.get(&key)
+        && at.elapsed() < GVK_TTL
+    {
+        return Ok(ar.clone());
+    }
     let plural = plural(&r.kind);
     let crd_name = format!("{plural}.{}", r.api_group);
     let crd = Api::<CustomResourceDefinition>::all(client.clone())
@@ -55,6 +76,19 @@ pub async fn api_for(
         &GroupVersionKind::gvk(&r.api_group, &version, &r.kind),
         &plural,
     );
+    if let Ok(mut cache) = gvk_cache().lock() {
+        cache.insert(key, (ar.clone(), Instant::now()));
+    }
+    Ok(ar)
+}
+
+/// The dynamic API for a reference in `namespace`.
+pub async fn api_for(
+    client: &kube::Client,
+    namespace: &str,
+    r: &ContractVersionedObjectReference,
+) -> Result<Api<DynamicObject>, ReconcileError> {
+    let ar = resource_for(client, r).await?;
     Ok(Api::namespaced_with(client.clone(), namespace, &ar))
 }
 

@@ -1,0 +1,308 @@
+//! The Machine controller for standalone mode (no upstream Cluster API): seeds 002/003. It is the
+//! only writer of Machines. Each pass is observe → decide → act → one status write:
+//!
+//! - `observe.rs`: the Cluster (shared store), the bootstrap config and infrastructure machine,
+//!   and the workload cluster's Node with the Machine's providerID.
+//! - `decide.rs`: **what the controller does when X** — the phase rules (Pending → Provisioning →
+//!   Provisioned → Running; Failed is terminal) and the one next write, table-tested.
+//! - `act.rs`: that write (finalizer, cluster association, adoption, dataSecretName, providerID,
+//!   Node labels and taint).
+//! - `deletion.rs`: hooks → drain → hooks → infrastructure → bootstrap config → Node → finalizer.
+//! - `workloads.rs`: one client and Node watch per workload cluster.
+//!
+//! Nothing polls: the Machine wakes on its own changes, its Cluster's (shared stream), its
+//! referenced objects' (a watch per kind, started the first time a kind is met) and its Node's.
+
+pub mod act;
+pub mod decide;
+pub mod deletion;
+pub mod observe;
+pub mod workloads;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, DynamicObject};
+use kube::core::{ApiResource, DeserializeGuard};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
+use kube::{Resource, ResourceExt};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::api::capi::MachineStatus;
+use crate::api::{CloudInitConfig, Cluster, Machine, MetalMachine};
+
+use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
+pub use workloads::Workloads;
+
+pub const CONTROLLER: &str = "machine";
+pub const FINALIZER: &str = "machine.cluster.x-k8s.io";
+pub const FIELD_MANAGER: &str = "metalboot-machine";
+const UNINITIALIZED_TAINT: &str = "node.cluster.x-k8s.io/uninitialized";
+const PRE_DRAIN_HOOK: &str = "pre-drain.delete.hook.machine.cluster.x-k8s.io";
+const PRE_TERMINATE_HOOK: &str = "pre-terminate.delete.hook.machine.cluster.x-k8s.io";
+const EXCLUDE_DRAIN_ANNOTATION: &str = "machine.cluster.x-k8s.io/exclude-node-draining";
+/// Set once the drain is over (done, skipped or timed out), so deletion does not drain twice.
+const DRAINED: &str = "DrainingSucceeded";
+/// A safety net for a missed event; progress comes from watches, not from this.
+const RESYNC: Duration = Duration::from_secs(600);
+
+/// What wakes Machines besides their own watch: referenced objects of kinds met at run time, and
+/// workload-cluster Nodes matched by providerID.
+pub struct Triggers {
+    tx: mpsc::UnboundedSender<ObjectRef<Machine>>,
+    kinds: Mutex<HashMap<(String, String), JoinHandle<()>>>,
+    by_provider_id: Mutex<HashMap<String, ObjectRef<Machine>>>,
+}
+
+impl Triggers {
+    pub fn new() -> (
+        Arc<Self>,
+        impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stream =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+        let triggers = Arc::new(Self {
+            tx,
+            kinds: Mutex::default(),
+            by_provider_id: Mutex::default(),
+        });
+        (triggers, stream)
+    }
+
+    /// Starts watching a referenced kind once (kinds the controller owns are watched already).
+    pub fn watch_kind(&self, client: &kube::Client, ar: &ApiResource, namespace: Option<&str>) {
+        let owned = [
+            (MetalMachine::group(&()), MetalMachine::kind(&())),
+            (CloudInitConfig::group(&()), CloudInitConfig::kind(&())),
+        ];
+        if owned
+            .iter()
+            .any(|(g, k)| *g == ar.group.as_str() && *k == ar.kind.as_str())
+        {
+            return;
+        }
+        let Ok(mut kinds) = self.kinds.lock() else {
+            return;
+        };
+        let key = (ar.group.clone(), ar.kind.clone());
+        if kinds.get(&key).is_some_and(|t| !t.is_finished()) {
+            return;
+        }
+        let api: Api<DynamicObject> = match namespace {
+            Some(ns) => Api::namespaced_with(client.clone(), ns, ar),
+            None => Api::all_with(client.clone(), ar),
+        };
+        let tx = self.tx.clone();
+        tracing::info!(kind = %ar.kind, group = %ar.group, "watching a referenced kind");
+        let task = tokio::spawn(async move {
+            let events = watcher(api, watcher::Config::default())
+                .default_backoff()
+                .touched_objects();
+            futures::pin_mut!(events);
+            while let Some(event) = events.next().await {
+                let Ok(obj) = event else { continue };
+                let namespace = obj.namespace().unwrap_or_default();
+                for owner in obj.owner_references() {
+                    if owner.kind == "Machine" && owner.api_version.starts_with("cluster.x-k8s.io/")
+                    {
+                        let _ = tx.send(ObjectRef::new(&owner.name).within(&namespace));
+                    }
+                }
+            }
+        });
+        kinds.insert(key, task);
+    }
+
+    /// Kinds watched on demand (tests check this stays one per kind).
+    pub fn watched_kinds(&self) -> usize {
+        self.kinds.lock().map(|k| k.len()).unwrap_or(0)
+    }
+
+    pub fn provider_id(&self, provider_id: &str, machine: ObjectRef<Machine>) {
+        if let Ok(mut ids) = self.by_provider_id.lock() {
+            ids.insert(provider_id.to_string(), machine);
+        }
+    }
+
+    pub fn node_changed(&self, node: &Node) {
+        let Some(id) = node.spec.as_ref().and_then(|s| s.provider_id.as_deref()) else {
+            return;
+        };
+        if let Ok(ids) = self.by_provider_id.lock()
+            && let Some(machine) = ids.get(id)
+        {
+            let _ = self.tx.send(machine.clone());
+        }
+    }
+
+    /// Drops what was kept for a Machine that is gone.
+    pub fn forget_machine(&self, m: &Machine) {
+        if let (Some(id), Ok(mut ids)) = (&m.spec.provider_id, self.by_provider_id.lock()) {
+            ids.remove(id);
+        }
+    }
+
+    pub fn tracked_provider_ids(&self) -> usize {
+        self.by_provider_id.lock().map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+impl Drop for Triggers {
+    fn drop(&mut self) {
+        if let Ok(kinds) = self.kinds.lock() {
+            for task in kinds.values() {
+                task.abort();
+            }
+        }
+    }
+}
+
+pub struct MachineContext {
+    pub client: kube::Client,
+    pub events: Events,
+    pub backoff: Backoff,
+    pub workloads: Arc<Workloads>,
+    pub watch_filter: Option<String>,
+    pub clusters: Store<DeserializeGuard<Cluster>>,
+    pub triggers: Arc<Triggers>,
+    /// The namespace the manager watches (None: all), for the watches started on demand.
+    pub namespace: Option<String>,
+}
+
+/// Writes status with server-side apply when it changed; the phase's lastUpdated moves with it.
+async fn write_status(
+    ctx: &MachineContext,
+    m: &Machine,
+    mut status: MachineStatus,
+) -> Result<(), ReconcileError> {
+    let previous = m.status.clone().unwrap_or_default();
+    if status.phase != previous.phase {
+        status.last_updated = Some(super::conditions::now());
+    }
+    status.observed_generation = m.metadata.generation;
+    // Upstream fields we keep but do not own are not re-applied.
+    status.extra.clear();
+    if status
+        == (MachineStatus {
+            extra: Default::default(),
+            ..previous
+        })
+    {
+        return Ok(());
+    }
+    let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
+    apply_status(&api, &m.name_any(), FIELD_MANAGER, &status)
+        .await
+        .map(|_| ())
+}
+
+async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, ReconcileError> {
+    if !passes_watch_filter(m.as_ref(), ctx.watch_filter.as_deref()) {
+        return Ok(Action::await_change());
+    }
+    let started = Instant::now();
+    let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(m.as_ref()));
+    let result = pass(m, &ctx).instrument(span).await;
+    crate::metrics::record_reconcile(
+        CONTROLLER,
+        result.as_ref().err().map(|e| e.category()),
+        started.elapsed(),
+    );
+    result
+}
+
+/// One pass: deletion is its own pipeline; otherwise observe → decide → act → status.
+async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
+    if m.meta().deletion_timestamp.is_some() {
+        return deletion::delete(m, ctx).await;
+    }
+    let observation = observe::observe(ctx, m.clone()).await?;
+    let decision = decide::decide(&observation.observed);
+    tracing::debug!(step = ?decision.step, phase = ?decision.status.phase, "decided");
+    act::act(ctx, &observation, &decision.step).await?;
+    write_status(ctx, &m, decision.status.clone()).await?;
+    if let Some((warning, reason, message)) = decision.event {
+        ctx.events
+            .publish(m.as_ref(), warning, &reason, message)
+            .await;
+    }
+    ctx.backoff.reset(&key(m.as_ref()));
+    Ok(match (&decision.step, decision.requeue) {
+        (_, Some(after)) => Action::requeue(after),
+        // A write was made: its watch event usually comes first; this is the fallback.
+        (step, None) if *step != decide::Step::Nothing => {
+            Action::requeue(Duration::from_millis(500))
+        }
+        _ if decision.status.phase.as_deref() == Some("Failed") => Action::await_change(),
+        _ => Action::requeue(RESYNC),
+    })
+}
+
+fn error_policy(m: Arc<Machine>, error: &ReconcileError, ctx: Arc<MachineContext>) -> Action {
+    if let Some(after) = error.requeue_after() {
+        return Action::requeue(after);
+    }
+    let delay = ctx.backoff.next(&key(m.as_ref()));
+    tracing::warn!(machine = %key(m.as_ref()), error = %error, retry_in = ?delay, "Machine reconcile failed");
+    Action::requeue(delay)
+}
+
+/// Watches Machines, the kinds they own that metalboot serves, their Clusters (shared stream)
+/// and whatever `Triggers` reports.
+pub fn controller(
+    client: kube::Client,
+    namespace: Option<&str>,
+    clusters: ReflectHandle<DeserializeGuard<Cluster>>,
+    triggers: impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
+) -> Controller<Machine> {
+    fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let controller = Controller::new(
+        api::<Machine>(&client, namespace),
+        watcher::Config::default(),
+    );
+    let machines = controller.store();
+    controller
+        .owns(
+            api::<MetalMachine>(&client, namespace),
+            watcher::Config::default(),
+        )
+        .owns(
+            api::<CloudInitConfig>(&client, namespace),
+            watcher::Config::default(),
+        )
+        .watches_shared_stream(clusters, move |cluster| {
+            let namespace = cluster.meta().namespace.clone();
+            let name = cluster.meta().name.clone().unwrap_or_default();
+            machines
+                .state()
+                .into_iter()
+                .filter(|m| m.namespace() == namespace && m.spec.cluster_name == name)
+                .map(|m| ObjectRef::from_obj(m.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .reconcile_on(triggers)
+}
+
+pub async fn run(controller: Controller<Machine>, ctx: Arc<MachineContext>) {
+    controller
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}

@@ -1,0 +1,151 @@
+//! One client and one Node watch per workload cluster, shared by its Machines. A rotated
+//! kubeconfig replaces the entry and stops the old watch; a deleted Cluster's entry is dropped.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Secret};
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::task::JoinHandle;
+
+/// Why the workload cluster cannot be read: a condition reason and message.
+pub type Unavailable = (&'static str, String);
+
+struct Workload {
+    /// The kubeconfig Secret's resourceVersion this entry was built from.
+    version: String,
+    client: kube::Client,
+    nodes: Store<Node>,
+    watch: JoinHandle<()>,
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// Called with every changed Node, so Machines wake when their Node appears or turns Ready.
+pub type NodeListener = std::sync::Arc<dyn Fn(&Node) + Send + Sync>;
+
+#[derive(Default)]
+pub struct Workloads {
+    clusters: Mutex<HashMap<String, Workload>>,
+    listener: Option<NodeListener>,
+}
+
+impl Workloads {
+    pub fn with_listener(listener: NodeListener) -> Self {
+        Self {
+            clusters: Mutex::default(),
+            listener: Some(listener),
+        }
+    }
+
+    /// Node watches running now (one per workload cluster in use; tests check none leaks).
+    pub fn live_watches(&self) -> usize {
+        self.clusters
+            .lock()
+            .map(|m| m.values().filter(|w| !w.watch.is_finished()).count())
+            .unwrap_or(0)
+    }
+
+    /// Stops the watch of a cluster that is gone.
+    pub fn forget(&self, namespace: &str, cluster: &str) {
+        if let Ok(mut map) = self.clusters.lock() {
+            map.remove(&format!("{namespace}/{cluster}"));
+        }
+    }
+
+    /// The workload cluster's client and Nodes, from `<cluster>-kubeconfig` (key `value`).
+    pub async fn get(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        cluster: &str,
+    ) -> Result<(kube::Client, Store<Node>), Unavailable> {
+        let secret_name = format!("{cluster}-kubeconfig");
+        let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+            .get_opt(&secret_name)
+            .await
+            .map_err(|e| {
+                (
+                    "KubeconfigUnreadable",
+                    format!("reading Secret {secret_name}: {e}"),
+                )
+            })?
+            .ok_or((
+                "KubeconfigMissing",
+                format!("Secret {namespace}/{secret_name} not found"),
+            ))?;
+        let version = secret.resource_version().unwrap_or_default();
+        let cache_key = format!("{namespace}/{cluster}");
+        if let Ok(map) = self.clusters.lock()
+            && let Some(w) = map.get(&cache_key)
+            && w.version == version
+        {
+            return Ok((w.client.clone(), w.nodes.clone()));
+        }
+        let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
+        let value = secret
+            .data
+            .and_then(|d| d.get("value").cloned())
+            .ok_or_else(|| invalid("no key `value`".into()))?;
+        let text =
+            String::from_utf8(value.0).map_err(|_| invalid("`value` is not UTF-8".into()))?;
+        let kubeconfig =
+            kube::config::Kubeconfig::from_yaml(&text).map_err(|e| invalid(e.to_string()))?;
+        let workload = crate::controlplane::client_with_retries(kubeconfig, false)
+            .await
+            .map_err(|e| invalid(e.to_string()))?;
+        let (nodes, writer) = reflector::store();
+        let listener = self.listener.clone();
+        let stream = reflector::reflector(
+            writer,
+            watcher(
+                Api::<Node>::all(workload.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff()
+        .applied_objects();
+        let watch = tokio::spawn(async move {
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(node) => {
+                        if let Some(listener) = &listener {
+                            listener(&node);
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "workload Node watch; retrying"),
+                }
+            }
+        });
+        let entry = Workload {
+            version,
+            client: workload.clone(),
+            nodes: nodes.clone(),
+            watch,
+        };
+        // Inserting drops (and so stops) the watch of the kubeconfig this one replaces.
+        if let Ok(mut map) = self.clusters.lock() {
+            map.insert(cache_key, entry);
+        }
+        if tokio::time::timeout(Duration::from_secs(10), crate::stores::until_ready(&nodes))
+            .await
+            .is_err()
+        {
+            return Err((
+                "WorkloadClusterUnreachable",
+                format!("no answer from the workload cluster of {cluster} within 10 s"),
+            ));
+        }
+        Ok((workload, nodes))
+    }
+}
