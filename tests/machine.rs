@@ -1007,3 +1007,95 @@ async fn missing_or_invalid_workload_kubeconfig_is_a_condition_not_a_crash_loop(
         .delete(&node_name, &DeleteParams::default())
         .await;
 }
+
+/// Pause covers deletion: a deleted Machine of a paused Cluster shows Paused and deletes nothing
+/// (its infrastructure, its Node) until the Cluster is unpaused; then deletion runs to the end.
+#[tokio::test]
+async fn a_paused_cluster_holds_machine_deletion() {
+    let env = env("machine-pause", true).await;
+    let (_, node_name) = env.running("m6", false).await;
+    let clusters: Api<metalboot::api::Cluster> =
+        Api::namespaced(env.ns.client.clone(), &env.ns.name);
+    let pause = |paused: bool| {
+        let clusters = clusters.clone();
+        async move {
+            clusters
+                .patch(
+                    "c1",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"paused": paused}})),
+                )
+                .await
+                .expect("pause Cluster");
+        }
+    };
+    pause(true).await;
+    env.machines
+        .delete("m6", &DeleteParams::default())
+        .await
+        .expect("delete Machine");
+    let (_, message) = eventually("the deleting Machine shows Paused", 30, || async {
+        env.condition("m6", "Paused").await
+    })
+    .await;
+    assert!(message.contains("deletion waits"), "{message}");
+    let infra = env
+        .infra
+        .get("m6-infra")
+        .await
+        .expect("infrastructure still there");
+    assert!(
+        infra.metadata.deletion_timestamp.is_none(),
+        "no deletion step while paused"
+    );
+    let nodes: Api<Node> = Api::all(env.ns.client.clone());
+    assert!(nodes.get_opt(&node_name).await.expect("get Node").is_some());
+
+    pause(false).await;
+    eventually("the Machine is gone once unpaused", 60, || async {
+        env.machines
+            .get_opt("m6")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        env.infra.get_opt("m6-infra").await.expect("get").is_none(),
+        "and its infrastructure with it"
+    );
+    let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
+}
+
+/// A rotated workload kubeconfig replaces the cluster's Node watch: the old one stops.
+#[tokio::test]
+async fn a_rotated_kubeconfig_stops_the_old_node_watch() {
+    let env = env("machine-rotate", true).await;
+    let workloads = metalboot::controllers::machine::Workloads::default();
+    workloads
+        .get(&env.ns.client, &env.ns.name, "c1")
+        .await
+        .expect("workload cluster");
+    assert_eq!(workloads.live_watches(), 1);
+    for rotation in 0..3 {
+        // Same cluster, new Secret version: as a certificate rotation looks.
+        let mut value =
+            std::fs::read(support::control_plane().kubeconfig_path.as_path()).expect("kubeconfig");
+        value.extend(format!("\n# rotation {rotation}\n").into_bytes());
+        set_kubeconfig_value(&env.ns, value).await;
+        workloads
+            .get(&env.ns.client, &env.ns.name, "c1")
+            .await
+            .expect("workload cluster after rotation");
+        eventually("one Node watch per workload cluster", 10, || async {
+            (workloads.live_watches() == 1).then_some(())
+        })
+        .await;
+    }
+    workloads.forget(&env.ns.name, "c1");
+    eventually("no Node watch once forgotten", 10, || async {
+        (workloads.live_watches() == 0).then_some(())
+    })
+    .await;
+}

@@ -186,6 +186,10 @@ async fn reconcile(
     if cluster.is_none() {
         return Ok(Action::requeue(Duration::from_secs(15)));
     }
+    // Paused (Cluster or this config): no write at all until it is unpaused.
+    if super::is_paused(cfg.as_ref(), cluster.as_ref()) {
+        return Ok(Action::await_change());
+    }
     // 4–5. Deterministic name; create the Secret when missing.
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let now = conditions::now();

@@ -36,11 +36,23 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     let cluster = cluster_of(&ctx.clusters, &m);
+    let mut status = m.status.clone().unwrap_or_default();
     if is_paused(m.as_ref(), cluster.as_deref()) {
-        tracing::info!(machine = %key(m.as_ref()), "deletion held: the Cluster or Machine is paused");
+        // Only the Paused condition (the v1beta2 contract), no step of the deletion.
+        conditions::set(
+            &mut status.conditions,
+            Want::t(
+                "Paused",
+                "Paused",
+                "deletion waits: the Cluster or this Machine is paused",
+            ),
+            m.metadata.generation,
+            &conditions::now(),
+        );
+        write_status(ctx, &m, status).await?;
         return Ok(Action::await_change());
     }
-    let mut status = m.status.clone().unwrap_or_default();
+    status.conditions.retain(|c| c.type_ != "Paused");
     let progress = cleanup(&m, cluster.as_deref(), ctx, &mut status).await;
     if let Err(e) = write_status(ctx, &m, status).await {
         tracing::warn!(machine = %key(m.as_ref()), error = %e, "could not write Machine status");

@@ -2,7 +2,8 @@
 //! kubeconfig replaces the entry and stops the old watch; a deleted Cluster's entry is dropped.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -31,12 +32,30 @@ impl Drop for Workload {
 }
 
 /// Called with every changed Node, so Machines wake when their Node appears or turns Ready.
-pub type NodeListener = std::sync::Arc<dyn Fn(&Node) + Send + Sync>;
+pub type NodeListener = Arc<dyn Fn(&Node) + Send + Sync>;
 
 #[derive(Default)]
 pub struct Workloads {
     clusters: Mutex<HashMap<String, Workload>>,
     listener: Option<NodeListener>,
+    /// Node watch tasks alive now: counted by the tasks themselves, so an aborted one is seen gone.
+    live: Arc<AtomicUsize>,
+}
+
+/// Held by a watch task for as long as it runs.
+struct Alive(Arc<AtomicUsize>);
+
+impl Alive {
+    fn new(counter: &Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Workloads {
@@ -44,15 +63,13 @@ impl Workloads {
         Self {
             clusters: Mutex::default(),
             listener: Some(listener),
+            live: Arc::default(),
         }
     }
 
     /// Node watches running now (one per workload cluster in use; tests check none leaks).
     pub fn live_watches(&self) -> usize {
-        self.clusters
-            .lock()
-            .map(|m| m.values().filter(|w| !w.watch.is_finished()).count())
-            .unwrap_or(0)
+        self.live.load(Ordering::SeqCst)
     }
 
     /// Stops the watch of a cluster that is gone.
@@ -114,7 +131,9 @@ impl Workloads {
         )
         .default_backoff()
         .applied_objects();
+        let alive = Alive::new(&self.live);
         let watch = tokio::spawn(async move {
+            let _alive = alive;
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
