@@ -39,6 +39,8 @@ pub struct ManagerOptions {
     pub artifacts_dir: Option<PathBuf>,
     /// TFTP for iPXE binaries: where it listens and what it serves (None: no TFTP).
     pub tftp: Option<(SocketAddr, PathBuf)>,
+    /// How often memory kept about deleted objects is released (BMC sessions logged out).
+    pub janitor_interval: Duration,
 }
 
 impl Default for ManagerOptions {
@@ -58,6 +60,7 @@ impl Default for ManagerOptions {
             sentinel_wait: Duration::from_secs(3 * 3600),
             artifacts_dir: None,
             tftp: None,
+            janitor_interval: Duration::from_secs(60),
         }
     }
 }
@@ -301,6 +304,12 @@ pub async fn start(
             }
         }));
     }
+    tasks.push(tokio::spawn(crate::controllers::janitor::run(
+        host_ctx.clone(),
+        machine_ctx.clone(),
+        boot.clone(),
+        opts.janitor_interval,
+    )));
     tasks.push(tokio::spawn(metalhost::run(host_controller, host_ctx)));
     tasks.push(tokio::spawn(metalmachine::run(
         machine_controller,

@@ -548,3 +548,24 @@ async fn a_malformed_machine_does_not_stop_another_machine_from_provisioning() {
         "and still malformed"
     );
 }
+
+/// Deleting a host logs its BMC driver out: Redfish sessions of deleted hosts do not pile up.
+#[tokio::test]
+async fn a_deleted_host_is_logged_out_of_its_bmc() {
+    let lab = hostlab::lab_with("bmc-logout", 1, true).await;
+    lab.host(0).await;
+    let _manager = lab.manager().await;
+    support::eventually("host-0 registered over one BMC session", 60, || async {
+        let available = lab.metal_host("host-0").await.status?.state == Some(HostState::Available);
+        (available && lab.proxy.session_count() == 1).then_some(())
+    })
+    .await;
+    Api::<MetalHost>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .delete("host-0", &DeleteParams::default())
+        .await
+        .expect("delete host");
+    support::eventually("the deleted host's session is logged out", 30, || async {
+        (lab.proxy.session_count() == 0).then_some(())
+    })
+    .await;
+}

@@ -232,6 +232,20 @@ impl BootState {
         }
     }
 
+    /// Forgets source pins of attempts whose boot Secret (`namespace/name`) is gone.
+    pub fn retain_pins(&self, secret_exists: impl Fn(&str) -> bool) {
+        if let Ok(mut pins) = self.pins.lock() {
+            pins.retain(|key, _| {
+                key.rsplit_once('/')
+                    .is_some_and(|(secret, _attempt)| secret_exists(secret))
+            });
+        }
+    }
+
+    pub fn pinned(&self) -> usize {
+        self.pins.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
     fn pin_key(record: &BootRecord) -> String {
         format!(
             "{}/{}/{}",

@@ -75,6 +75,13 @@ impl Expectations {
     }
 
     /// Drops everything about `key` (the object is gone for good).
+    /// Drops entries past their TTL that nobody asked about again (their object went away).
+    pub fn expire(&self) {
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.retain(|_, (_, at)| at.elapsed() < EXPECTATION_TTL);
+        }
+    }
+
     pub fn forget(&self, key: &str) {
         if let Ok(mut pending) = self.pending.lock() {
             pending.remove(key);

@@ -27,6 +27,11 @@ pub struct BmcTarget {
 /// Makes BMC drivers; tests and the lab use the Redfish one too, against real emulators.
 pub trait BmcConnector: Send + Sync {
     fn connect(&self, host_key: &str, target: BmcTarget) -> Result<Arc<dyn Bmc>, BmcError>;
+
+    /// Drops the drivers of hosts for which `keep` is false and returns them, to be logged out.
+    fn evict(&self, _keep: &dyn Fn(&str) -> bool) -> Vec<Arc<dyn Bmc>> {
+        Vec::new()
+    }
 }
 
 /// A cached driver and the fingerprint of the inputs it was built from.
@@ -70,6 +75,17 @@ impl BmcConnector for RedfishConnector {
             cache.insert(host_key.to_string(), (target.fingerprint, bmc.clone()));
         }
         Ok(bmc)
+    }
+
+    fn evict(&self, keep: &dyn Fn(&str) -> bool) -> Vec<Arc<dyn Bmc>> {
+        let Ok(mut cache) = self.cache.lock() else {
+            return Vec::new();
+        };
+        let gone: Vec<String> = cache.keys().filter(|k| !keep(k)).cloned().collect();
+        gone.iter()
+            .filter_map(|k| cache.remove(k))
+            .map(|(_, bmc)| bmc)
+            .collect()
     }
 }
 

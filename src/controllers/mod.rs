@@ -8,6 +8,7 @@ pub mod conditions;
 pub mod drain;
 pub mod expectations;
 pub mod hostbmc;
+pub mod janitor;
 pub mod machine;
 pub mod metalcluster;
 pub mod metalhost;
@@ -166,6 +167,21 @@ impl Backoff {
         if let Ok(mut f) = self.failures.lock() {
             f.remove(key);
         }
+    }
+
+    /// Forgets the objects for which `keep` is false (they are gone).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut f) = self.failures.lock() {
+            f.retain(|k, _| keep(k));
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.failures.lock().map(|f| f.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

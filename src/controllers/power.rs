@@ -112,6 +112,13 @@ impl PowerRequests {
         }
     }
 
+    /// Forgets the objects for which `keep` is false (they are gone).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut sent) = self.sent.lock() {
+            sent.retain(|k, _| keep(k));
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.sent.lock().map(|s| s.len()).unwrap_or(0)
     }

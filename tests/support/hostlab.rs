@@ -34,6 +34,12 @@ pub struct Lab {
 }
 
 pub async fn lab(prefix: &str, systems: u8) -> Lab {
+    lab_with(prefix, systems, false).await
+}
+
+/// A lab whose BMC proxy also plays a Redfish session service (`sessions`), so logins and
+/// logouts can be counted.
+pub async fn lab_with(prefix: &str, systems: u8, sessions: bool) -> Lab {
     metalboot::telemetry::init(
         metalboot::telemetry::LogFormat::Text,
         Some("info,metalboot=debug,kube_runtime=warn"),
@@ -45,7 +51,7 @@ pub async fn lab(prefix: &str, systems: u8) -> Lab {
         tls: None,
         auth: Some((USER.into(), PASSWORD.into())),
     });
-    let proxy = crate::faultproxy::FaultProxy::start(&sushy.base, false).await;
+    let proxy = crate::faultproxy::FaultProxy::start(&sushy.base, sessions).await;
     credentials(&ns, "bmc-credentials", PASSWORD).await;
     // The Cluster exists and its infrastructure is provisioned, as upstream would report it.
     let clusters: Api<Cluster> = Api::namespaced(ns.client.clone(), &ns.name);
@@ -198,6 +204,7 @@ impl Lab {
                 graceful_off: Duration::from_secs(5),
                 deprovision_timeout: Duration::from_secs(30),
                 bmc_timeout: Duration::from_secs(5),
+                janitor_interval: Duration::from_secs(1),
                 ..Default::default()
             },
         )
