@@ -252,6 +252,7 @@ pub async fn start(
             clusters: stores.clusters.clone(),
             triggers,
             namespace: namespace.map(str::to_string),
+            expectations: Default::default(),
         });
         let controller = machine::controller(
             client.clone(),

@@ -188,6 +188,38 @@ pub fn record_reconcile(controller: &str, error: Option<&str>, took: std::time::
     }
 }
 
+/// Passes per object (`controller/namespace/name`), kept in memory only: not a Prometheus label
+/// (one series per object would be unbounded), but what a test waits on to know "the controller
+/// looked at my object again" before a negative assertion.
+fn passes() -> &'static std::sync::Mutex<std::collections::HashMap<String, u64>> {
+    static PASSES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, u64>>> =
+        std::sync::OnceLock::new();
+    PASSES.get_or_init(Default::default)
+}
+
+/// Bound on the per-object pass counts: past it, the map starts over (tests compare counts
+/// taken seconds apart, far below this).
+const PASSES_CAPACITY: usize = 20_000;
+
+/// One finished reconcile pass of `controller` over `object` (`namespace/name`).
+pub fn record_pass(controller: &str, object: &str) {
+    if let Ok(mut map) = passes().lock() {
+        if map.len() >= PASSES_CAPACITY {
+            map.clear();
+        }
+        *map.entry(format!("{controller}/{object}")).or_default() += 1;
+    }
+}
+
+/// Finished passes of `controller` over `object` so far.
+pub fn passes_of(controller: &str, object: &str) -> u64 {
+    passes()
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&format!("{controller}/{object}")).copied())
+        .unwrap_or(0)
+}
+
 /// Reconcile passes of `controller` so far (tests wait on this instead of sleeping).
 pub fn reconciles(controller: &str) -> u64 {
     metrics()

@@ -6,7 +6,6 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::ByteString;
@@ -515,7 +514,9 @@ async fn failure_reported_by_infrastructure_is_terminal() {
         json!({"failureReason": null, "failureMessage": null, "initialization": {"provisioned": true}}),
     )
     .await;
-    // Touch the Machine so the controller certainly looks again.
+    // Touch the Machine, and wait until the controller has looked at it again.
+    let object = format!("{}/m3", env.ns.name);
+    let before = metalboot::metrics::passes_of("machine", &object);
     env.machines
         .patch(
             "m3",
@@ -524,7 +525,10 @@ async fn failure_reported_by_infrastructure_is_terminal() {
         )
         .await
         .expect("poke");
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    eventually("the Machine controller looked again", 30, || async {
+        (metalboot::metrics::passes_of("machine", &object) > before).then_some(())
+    })
+    .await;
     assert_eq!(env.phase("m3").await.as_deref(), Some("Failed"));
     let events: Vec<Event> = Api::<Event>::namespaced(env.ns.client.clone(), &env.ns.name)
         .list(&ListParams::default())
@@ -645,7 +649,13 @@ async fn deletion_runs_hooks_drain_infra_bootstrap_node_in_order() {
         (reason == "WaitingForHooks" && message.contains("pre-drain")).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let object = format!("{}/m4", env.ns.name);
+    let passes = || metalboot::metrics::passes_of("machine", &object);
+    let before = passes();
+    eventually("two more deletion passes under the hook", 30, || async {
+        (passes() >= before + 2).then_some(())
+    })
+    .await;
     assert!(!unschedulable().await, "not cordoned while the hook holds");
     assert_eq!(
         pods.list(&ListParams::default())
@@ -731,7 +741,13 @@ async fn deletion_runs_hooks_drain_infra_bootstrap_node_in_order() {
         being_deleted(&env.infra, "m4-infra").await.then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = passes();
+    eventually(
+        "two more deletion passes while the infrastructure exists",
+        30,
+        || async { (passes() >= before + 2).then_some(()) },
+    )
+    .await;
     assert!(
         !being_deleted(&env.configs, "m4-config").await,
         "bootstrap config untouched while the infrastructure exists"
@@ -977,7 +993,7 @@ async fn missing_or_invalid_workload_kubeconfig_is_a_condition_not_a_crash_loop(
     })
     .await;
     println!("NodeReady while the kubeconfig is broken: {message}");
-    // Retries are paced, not a hot loop: the Machine's resourceVersion barely moves in 10 s.
+    // Retries are paced, not a hot loop: looking again writes nothing.
     let before: u64 = env
         .machines
         .get("m5")
@@ -986,7 +1002,12 @@ async fn missing_or_invalid_workload_kubeconfig_is_a_condition_not_a_crash_loop(
         .resource_version()
         .and_then(|v| v.parse().ok())
         .expect("resourceVersion");
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    let object = format!("{}/m5", env.ns.name);
+    let looked = metalboot::metrics::passes_of("machine", &object);
+    eventually("the Machine looked at the kubeconfig again", 30, || async {
+        (metalboot::metrics::passes_of("machine", &object) > looked).then_some(())
+    })
+    .await;
     let after = env.machines.get("m5").await.expect("Machine");
     assert_eq!(
         after.resource_version().and_then(|v| v.parse::<u64>().ok()),

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::{HostState, PowerState};
 use metalboot::api::{MetalHost, MetalMachine};
@@ -208,7 +208,21 @@ async fn no_callback_means_bounded_power_cycles_then_a_terminal_failure() {
         "reset requests at the BMC: {:?}",
         lab.posts()
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Poke the failed MetalMachine and wait until its controller has looked at it again.
+    let object = format!("{}/m1", lab.ns.name);
+    let before = metalboot::metrics::passes_of("metalmachine", &object);
+    Api::<MetalMachine>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .patch(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"test/poke": "1"}}})),
+        )
+        .await
+        .expect("poke");
+    support::eventually("the MetalMachine controller looked again", 30, || async {
+        (metalboot::metrics::passes_of("metalmachine", &object) > before).then_some(())
+    })
+    .await;
     assert_eq!(lab.resets(), 3, "a failed machine is left alone");
     assert!(
         lab.boot_secret("m1").await.is_none(),

@@ -318,6 +318,7 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
         return Ok(Action::await_change());
     }
     let started = Instant::now();
+    let object = key(host.as_ref());
     let span =
         tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(host.as_ref()));
     let result = pass(host, &ctx).instrument(span).await;
@@ -326,6 +327,7 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
         result.as_ref().err().map(|e| e.category()),
         started.elapsed(),
     );
+    crate::metrics::record_pass(CONTROLLER, &object);
     result
 }
 

@@ -54,9 +54,13 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
     }
     status.conditions.retain(|c| c.type_ != "Paused");
     let progress = cleanup(&m, cluster.as_deref(), ctx, &mut status).await;
-    if let Err(e) = write_status(ctx, &m, status).await {
-        tracing::warn!(machine = %key(m.as_ref()), error = %e, "could not write Machine status");
-    }
+    let version = match write_status(ctx, &m, status).await {
+        Ok(version) => version,
+        Err(e) => {
+            tracing::warn!(machine = %key(m.as_ref()), error = %e, "could not write Machine status");
+            m.resource_version()
+        }
+    };
     match progress? {
         Progress::Wait(after) => Ok(Action::requeue(after)),
         Progress::Done => {
@@ -69,9 +73,10 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
                 .filter(|f| *f != FINALIZER)
                 .cloned()
                 .collect();
+            // Conditioned on the version our status write produced, not the one we read.
             let patch = serde_json::json!({"metadata": {
                 "finalizers": finalizers,
-                "resourceVersion": m.resource_version(),
+                "resourceVersion": version,
             }});
             Api::<Machine>::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default())
                 .patch(

@@ -175,14 +175,22 @@ pub struct MachineContext {
     pub triggers: Arc<Triggers>,
     /// The namespace the manager watches (None: all), for the watches started on demand.
     pub namespace: Option<String>,
+    /// Read-your-writes: a pass never decides from a Machine older than its own last write
+    /// (a referenced object's watch can wake it before the Machine's own watch catches up).
+    pub expectations: super::expectations::Expectations,
+}
+
+fn machine_key(m: &Machine) -> String {
+    super::expectations::object_key("Machine", &m.namespace().unwrap_or_default(), &m.name_any())
 }
 
 /// Writes status with server-side apply when it changed; the phase's lastUpdated moves with it.
+/// Returns the Machine's resourceVersion after the write (the one read when nothing changed).
 async fn write_status(
     ctx: &MachineContext,
     m: &Machine,
     mut status: MachineStatus,
-) -> Result<(), ReconcileError> {
+) -> Result<Option<String>, ReconcileError> {
     let previous = m.status.clone().unwrap_or_default();
     if status.phase != previous.phase {
         status.last_updated = Some(super::conditions::now());
@@ -196,12 +204,13 @@ async fn write_status(
             ..previous
         })
     {
-        return Ok(());
+        return Ok(m.resource_version());
     }
     let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
-    apply_status(&api, &m.name_any(), FIELD_MANAGER, &status)
-        .await
-        .map(|_| ())
+    let written = apply_status(&api, &m.name_any(), FIELD_MANAGER, &status).await?;
+    ctx.expectations
+        .wrote(machine_key(m), m.resource_version(), written.clone());
+    Ok(written)
 }
 
 async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, ReconcileError> {
@@ -209,6 +218,7 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, 
         return Ok(Action::await_change());
     }
     let started = Instant::now();
+    let object = key(m.as_ref());
     let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(m.as_ref()));
     let result = pass(m, &ctx).instrument(span).await;
     crate::metrics::record_reconcile(
@@ -216,11 +226,18 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, 
         result.as_ref().err().map(|e| e.category()),
         started.elapsed(),
     );
+    crate::metrics::record_pass(CONTROLLER, &object);
     result
 }
 
 /// One pass: deletion is its own pipeline; otherwise observe → decide → act → status.
 async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
+    if !ctx
+        .expectations
+        .satisfied(&machine_key(&m), m.resource_version().as_deref())
+    {
+        return Ok(Action::requeue(Duration::from_millis(250)));
+    }
     if m.meta().deletion_timestamp.is_some() {
         return deletion::delete(m, ctx).await;
     }

@@ -130,6 +130,7 @@ async fn reconcile(
         return Ok(Action::await_change());
     }
     let started = Instant::now();
+    let object = super::key(mm.as_ref());
     let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %super::key(mm.as_ref()));
     let result = pass(mm, &ctx).instrument(span).await;
     crate::metrics::record_reconcile(
@@ -137,6 +138,7 @@ async fn reconcile(
         result.as_ref().err().map(|e| e.category()),
         started.elapsed(),
     );
+    crate::metrics::record_pass(CONTROLLER, &object);
     result
 }
 
