@@ -311,6 +311,20 @@ mod tests {
     }
 
     #[test]
+    fn backoff_forgets_objects_that_are_gone() {
+        let backoff = Backoff::default();
+        for key in ["ns/a", "ns/b", "ns/c"] {
+            backoff.next(key);
+        }
+        backoff.retain(|k| k == "ns/b");
+        assert_eq!(backoff.len(), 1);
+        assert!(
+            backoff.next("ns/b") > Backoff::BASE.mul_f64(1.3),
+            "the live entry keeps counting"
+        );
+    }
+
+    #[test]
     fn backoff_is_per_object_and_resets() {
         let b = Backoff::default();
         let first = b.next("ns/a");

@@ -133,6 +133,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn power_requests_of_gone_objects_are_released() {
+        let requests = PowerRequests::default();
+        requests.record("ns/a", PowerAction::GracefulOff);
+        requests.record("ns/b", PowerAction::ForceOff);
+        requests.retain(|k| k == "ns/a");
+        assert_eq!(requests.len(), 1);
+        assert!(requests.last("ns/a").is_some() && requests.last("ns/b").is_none());
+    }
+
+    #[test]
     fn power_off_policy_table() {
         let s = Duration::from_secs;
         let f = Fault {
