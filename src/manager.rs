@@ -41,6 +41,8 @@ pub struct ManagerOptions {
     pub tftp: Option<(SocketAddr, PathBuf)>,
     /// How often memory kept about deleted objects is released (BMC sessions logged out).
     pub janitor_interval: Duration,
+    /// Budgets of the boot HTTP server (connections, timeouts).
+    pub http_limits: crate::boot::serve::HttpLimits,
 }
 
 impl Default for ManagerOptions {
@@ -61,6 +63,7 @@ impl Default for ManagerOptions {
             artifacts_dir: None,
             tftp: None,
             janitor_interval: Duration::from_secs(60),
+            http_limits: Default::default(),
         }
     }
 }
@@ -288,12 +291,11 @@ pub async fn start(
             crate::boot::artifacts::artifacts_router(dir.clone()),
         );
     }
-    let app = router
-        .layer(middleware::from_fn(boot_http::access_log))
-        .into_make_service_with_connect_info::<SocketAddr>();
-    tracing::info!(listen = %boot_addr, advertise = %base_url, "boot HTTP service listening");
+    let app = router.layer(middleware::from_fn(boot_http::access_log));
+    tracing::info!(listen = %boot_addr, advertise = %base_url, limits = ?opts.http_limits, "boot HTTP service listening");
+    let limits = opts.http_limits.clone();
     tasks.push(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Err(e) = crate::boot::serve::serve(listener, app, limits).await {
             tracing::error!(error = %e, "boot HTTP service stopped");
         }
     }));

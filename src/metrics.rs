@@ -17,6 +17,8 @@ pub struct Metrics {
     registry: Registry,
     pub http_requests: Family<Labels, Counter>,
     pub http_bytes: Family<Labels, Counter>,
+    pub http_refused: Family<Labels, Counter>,
+    pub events_suppressed: Family<Labels, Counter>,
     pub callbacks: Family<Labels, Counter>,
     pub tftp_transfers: Family<Labels, Counter>,
     pub bmc_errors: Family<Labels, Counter>,
@@ -48,6 +50,8 @@ pub fn metrics() -> &'static Metrics {
         let m = Metrics {
             http_requests: Family::default(),
             http_bytes: Family::default(),
+            http_refused: Family::default(),
+            events_suppressed: Family::default(),
             callbacks: Family::default(),
             tftp_transfers: Family::default(),
             bmc_errors: Family::default(),
@@ -67,6 +71,16 @@ pub fn metrics() -> &'static Metrics {
             "boot_http_bytes",
             "Bytes sent by the boot service, by route",
             m.http_bytes.clone(),
+        );
+        registry.register(
+            "boot_http_connections_refused",
+            "Boot service connections closed at accept, by the budget that was full",
+            m.http_refused.clone(),
+        );
+        registry.register(
+            "boot_events_suppressed",
+            "Events from unauthenticated boot requests not written (rate limit), by reason",
+            m.events_suppressed.clone(),
         );
         registry.register(
             "boot_callbacks",
@@ -140,6 +154,27 @@ pub fn record_http(path: &str, status: u16, bytes: Option<u64>) {
             .get_or_create(&labels(&[("route", route)]))
             .inc_by(b);
     }
+}
+
+pub fn record_http_refused(budget: &str) {
+    metrics()
+        .http_refused
+        .get_or_create(&labels(&[("budget", budget)]))
+        .inc();
+}
+
+pub fn record_event_suppressed(reason: &str) {
+    metrics()
+        .events_suppressed
+        .get_or_create(&labels(&[("reason", reason)]))
+        .inc();
+}
+
+pub fn http_refused(budget: &str) -> u64 {
+    metrics()
+        .http_refused
+        .get_or_create(&labels(&[("budget", budget)]))
+        .get()
 }
 
 pub fn record_callback(result: &str) {

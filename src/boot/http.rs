@@ -82,11 +82,41 @@ pub struct BootState {
     callbacks: mpsc::UnboundedSender<CallbackNotice>,
     /// Source address pinned per attempt (boot Secret namespace/name/attempt).
     pins: Mutex<HashMap<String, IpAddr>>,
+    /// Event writes caused by requests, rate-limited per machine and reason.
+    event_limiter: EventLimiter,
     /// Recently served tokens (hash → namespace, machine), to attribute replays to a machine.
     seen: Mutex<SeenTokens>,
     /// Stores have synced: before that every host would look unknown.
     ready: std::sync::atomic::AtomicBool,
     events: tokio::sync::broadcast::Sender<BootEvent>,
+}
+
+/// At most one Event per key per [`EVENT_INTERVAL`]; the map is pruned so it stays bounded.
+#[derive(Default)]
+struct EventLimiter(Mutex<HashMap<String, std::time::Instant>>);
+
+const EVENT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+const EVENT_KEYS: usize = 4096;
+
+impl EventLimiter {
+    fn allow(&self, key: &str) -> bool {
+        let Ok(mut last) = self.0.lock() else {
+            return false;
+        };
+        if last.len() >= EVENT_KEYS {
+            last.retain(|_, at| at.elapsed() < EVENT_INTERVAL);
+        }
+        if last.len() >= EVENT_KEYS {
+            return false; // still full of fresh keys: a flood; write nothing more
+        }
+        match last.get(key) {
+            Some(at) if at.elapsed() < EVENT_INTERVAL => false,
+            _ => {
+                last.insert(key.to_string(), std::time::Instant::now());
+                true
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -138,6 +168,7 @@ impl BootState {
             recorder,
             callbacks,
             pins: Mutex::new(HashMap::new()),
+            event_limiter: EventLimiter::default(),
             seen: Mutex::new(SeenTokens::default()),
             ready: std::sync::atomic::AtomicBool::new(false),
             events: tokio::sync::broadcast::channel(256).0,
@@ -272,6 +303,17 @@ impl BootState {
     }
 
     async fn event(&self, machine: &MetalMachine, type_: EventType, reason: &str, note: String) {
+        // Anonymous requests can cause these: at most one Event per machine and reason per
+        // interval reaches the apiserver; the rest are counted.
+        let key = format!(
+            "{}/{}/{reason}",
+            machine.namespace().unwrap_or_default(),
+            machine.name_any()
+        );
+        if !self.event_limiter.allow(&key) {
+            crate::metrics::record_event_suppressed(reason);
+            return;
+        }
         let event = KubeEvent {
             type_,
             reason: reason.into(),
@@ -417,24 +459,71 @@ pub async fn access_log(request: axum::extract::Request, next: axum::middleware:
     response
 }
 
-/// A request path safe to log: tokens (after `/nocloud/` and `/callback/`) cut to 6 characters.
+/// A request path safe to log. A token is cut to 6 characters wherever it appears: after
+/// `/nocloud/` or `/callback/` (empty segments skipped, so `//` does not bypass it), and in any
+/// segment that merely looks like one (24+ characters of the token alphabet). Segments are cut
+/// to 64 characters and the whole path to 512, so a hostile path cannot blow up a log line.
 pub fn redact_path(path: &str) -> String {
+    const SEGMENT: usize = 64;
+    const TOTAL: usize = 512;
+    let looks_like_token = |s: &str| {
+        s.len() >= 24
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    };
     let mut out = Vec::new();
     let mut token_next = false;
     for segment in path.split('/') {
-        if token_next && !segment.is_empty() {
-            out.push(format!("{}…", segment.chars().take(6).collect::<String>()));
-        } else {
-            out.push(segment.chars().take(200).collect());
+        if segment.is_empty() {
+            out.push(String::new());
+            continue;
         }
-        token_next = segment == "nocloud" || segment == "callback";
+        if token_next || looks_like_token(segment) {
+            out.push(format!("{}…", segment.chars().take(6).collect::<String>()));
+        } else if segment.chars().count() > SEGMENT {
+            out.push(format!(
+                "{}…",
+                segment.chars().take(SEGMENT).collect::<String>()
+            ));
+        } else {
+            out.push(segment.to_string());
+        }
+        token_next =
+            segment.eq_ignore_ascii_case("nocloud") || segment.eq_ignore_ascii_case("callback");
     }
-    out.join("/")
+    let joined = out.join("/");
+    if joined.chars().count() > TOTAL {
+        format!("{}…", joined.chars().take(TOTAL).collect::<String>())
+    } else {
+        joined
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::redact_path;
+    use super::{EventLimiter, redact_path};
+
+    #[test]
+    fn request_events_are_rate_limited_per_machine_and_reason() {
+        let limiter = EventLimiter::default();
+        assert!(limiter.allow("ns/m1/BootTokenReplayed"));
+        assert!(
+            !limiter.allow("ns/m1/BootTokenReplayed"),
+            "the same again: suppressed"
+        );
+        assert!(limiter.allow("ns/m2/BootTokenReplayed"), "another machine");
+        assert!(
+            limiter.allow("ns/m1/BootCallbackRejected"),
+            "another reason"
+        );
+        for i in 0..10_000 {
+            limiter.allow(&format!("ns/flood-{i}/X"));
+        }
+        assert!(
+            limiter.0.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= super::EVENT_KEYS,
+            "bounded under a flood of keys"
+        );
+    }
 
     #[test]
     fn tokens_never_reach_the_access_log() {
@@ -452,6 +541,27 @@ mod tests {
             "/ipxe/52-54-00-12-34-56"
         );
         assert_eq!(redact_path("/boot.ipxe"), "/boot.ipxe");
+        assert_eq!(
+            redact_path(&format!("/nocloud//{token}/user-data")),
+            "/nocloud//aaaaaa…/user-data",
+            "a double slash does not skip the redaction"
+        );
+        assert_eq!(
+            redact_path(&format!("/NoCloud/{token}")),
+            "/NoCloud/aaaaaa…",
+            "nor does another case"
+        );
+        assert_eq!(
+            redact_path(&format!("/x/{token}")),
+            "/x/aaaaaa…",
+            "nor another route"
+        );
+        assert_eq!(
+            redact_path("/artifacts/vmlinuz-6.1.0-56-amd64"),
+            "/artifacts/vmlinuz-6.1.0-56-amd64"
+        );
+        let hostile = format!("/{}", "x.".repeat(30_000));
+        assert!(redact_path(&hostile).chars().count() <= 513, "bounded");
     }
 }
 
@@ -743,17 +853,47 @@ async fn record_callback(
     ))
 }
 
+/// How long a host may take to send its (at most 16 KiB) callback body.
+const CALLBACK_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn callback(
     State(state): State<Arc<BootState>>,
     Path(token): Path<String>,
     ClientIp(ip): ClientIp,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Response {
+    // The token first: an unauthenticated client gets its answer before a byte of body is read.
     let (record, machine) = match authorize(&state, &token, ip, "/callback").await {
         Ok(found) => found,
         Err(response) => {
             crate::metrics::record_callback("refused");
             return response;
+        }
+    };
+    // Then the body, never more than the cap (the read stops there) and within a time budget.
+    let body = match tokio::time::timeout(
+        CALLBACK_BODY_TIMEOUT,
+        axum::body::to_bytes(body, nocloud::MAX_CALLBACK_BYTES),
+    )
+    .await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => {
+            crate::metrics::record_callback("malformed");
+            return text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "callback body is larger than {} bytes\n",
+                    nocloud::MAX_CALLBACK_BYTES
+                ),
+            );
+        }
+        Err(_) => {
+            crate::metrics::record_callback("malformed");
+            return text(
+                StatusCode::REQUEST_TIMEOUT,
+                "callback body not received in time\n".into(),
+            );
         }
     };
     let (hostname, addresses) = match nocloud::parse_callback(&body) {

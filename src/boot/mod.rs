@@ -7,5 +7,6 @@ pub mod artifacts;
 pub mod http;
 pub mod ipxe;
 pub mod nocloud;
+pub mod serve;
 pub mod tftp;
 pub mod tokens;

@@ -1,0 +1,146 @@
+//! The boot service's HTTP server with explicit budgets. Anyone on the provisioning network can
+//! connect, so every connection is bounded: how many at once (in all, and per client address),
+//! how long its request headers may take, how long one request may run, and how long the
+//! connection may live at all. `axum::serve` has none of these knobs; hyper's connection builder
+//! has the header timeout, the rest is the accept loop below.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tower::ServiceExt;
+
+/// Budgets of the boot HTTP server.
+#[derive(Clone, Debug)]
+pub struct HttpLimits {
+    /// Connections open at once; past it a new connection is closed at once.
+    pub max_connections: usize,
+    /// Connections open at once from one client address.
+    pub max_connections_per_client: usize,
+    /// Time to send a request's headers (slowloris), also while a kept-alive connection idles.
+    pub header_read_timeout: Duration,
+    /// Time one request may take, body included.
+    pub request_timeout: Duration,
+    /// Time a connection may stay open at all, however busy.
+    pub connection_lifetime: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_connections_per_client: 32,
+            header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(60),
+            connection_lifetime: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Connections per client address; a guard gives its slot back when the connection ends.
+#[derive(Default)]
+struct PerClient(Mutex<HashMap<IpAddr, usize>>);
+
+struct ClientSlot(Arc<PerClient>, IpAddr);
+
+impl PerClient {
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<ClientSlot> {
+        let mut open = self.0.lock().ok()?;
+        let n = open.entry(ip).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot(self.clone(), ip))
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.0.0.lock()
+            && let Some(n) = open.get_mut(&self.1)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// Serves `app` on `listener` within `limits` until the listener fails.
+pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> std::io::Result<()> {
+    let app = app.layer(tower_http::timeout::TimeoutLayer::with_status_code(
+        axum::http::StatusCode::REQUEST_TIMEOUT,
+        limits.request_timeout,
+    ));
+    let all = Arc::new(Semaphore::new(limits.max_connections));
+    let per_client = Arc::new(PerClient::default());
+    loop {
+        let (stream, remote) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            // Out of fds or similar: back off briefly instead of spinning.
+            Err(e) => {
+                tracing::warn!(error = %e, "boot HTTP accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = all.clone().try_acquire_owned() else {
+            crate::metrics::record_http_refused("connections");
+            continue; // dropping the stream closes it
+        };
+        let Some(slot) = per_client.take(remote.ip(), limits.max_connections_per_client) else {
+            crate::metrics::record_http_refused("per_client");
+            continue;
+        };
+        tokio::spawn(connection(
+            stream,
+            remote,
+            app.clone(),
+            limits.clone(),
+            permit,
+            slot,
+        ));
+    }
+}
+
+async fn connection(
+    stream: tokio::net::TcpStream,
+    remote: SocketAddr,
+    app: Router,
+    limits: HttpLimits,
+    _permit: OwnedSemaphorePermit,
+    _slot: ClientSlot,
+) {
+    let service = app.map_request(move |mut request: hyper::Request<hyper::body::Incoming>| {
+        request.extensions_mut().insert(ConnectInfo(remote));
+        request
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+    futures::pin_mut!(conn);
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(e) = result {
+                tracing::debug!(client = %remote.ip(), error = %e, "boot HTTP connection ended");
+            }
+        }
+        _ = tokio::time::sleep(limits.connection_lifetime) => {
+            // Let an in-flight response finish, then close.
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        }
+    }
+}
