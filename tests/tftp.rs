@@ -188,3 +188,123 @@ async fn twenty_concurrent_transfers_are_all_identical() {
         assert!(*got == want, "transfer {i} differs");
     }
 }
+
+/// Hostile traffic: 200 read requests from one address that never acknowledge. The server keeps
+/// at most its per-client budget of transfers, answers the rest with an ERROR packet, sends one
+/// block per accepted request before an ACK, reclaims the abandoned transfers within
+/// timeout × (retries + 1), and a host on another address is served byte-identical meanwhile.
+#[tokio::test]
+async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() {
+    use metalboot::boot::tftp::TftpLimits;
+    let limits = TftpLimits {
+        max_transfers: 64,
+        max_per_client: 8,
+        timeout: Duration::from_secs(1),
+        retries: 2,
+        ..TftpLimits::default()
+    };
+    let server = Tftp::bind_with(
+        "127.0.0.1:0".parse().expect("addr"),
+        Path::new(ROOT),
+        limits.clone(),
+    )
+    .await
+    .expect("bind TFTP");
+    let addr = server.local_addr().expect("address");
+    let transfers = server.transfers();
+    tokio::spawn(server.serve());
+
+    const REQUESTS: usize = 200;
+    let attack = tokio::task::spawn_blocking(move || {
+        let sockets: Vec<UdpSocket> = (0..REQUESTS)
+            .filter_map(|_| UdpSocket::bind("127.0.0.1:0").ok())
+            .collect();
+        for s in &sockets {
+            let _ = s.send_to(&request(1, "undionly.kpxe"), addr);
+        }
+        // The first answer to each request: a data block (accepted) or an ERROR (refused).
+        let (mut data, mut errors, mut bytes) = (0, 0, 0);
+        for s in &sockets {
+            let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+            let mut buf = [0u8; 2048];
+            if let Ok((n, _)) = s.recv_from(&mut buf) {
+                bytes += n;
+                match buf[1] {
+                    3 | 6 => data += 1,
+                    5 => errors += 1,
+                    _ => {}
+                }
+            }
+        }
+        (sockets.len(), data, errors, bytes)
+    });
+    // Meanwhile a real host, on its own address.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("undionly.kpxe");
+    let url = format!("tftp://{addr}/undionly.kpxe");
+    let fetched = tokio::task::spawn_blocking({
+        let out = out.clone();
+        move || {
+            Command::new("curl")
+                .args(["-sS", "--max-time", "60", "--interface", "127.0.0.2"])
+                .args(["--tftp-blksize", "1468", "-o"])
+                .arg(&out)
+                .arg(url)
+                .output()
+                .expect("run curl")
+        }
+    });
+    let peak = {
+        let mut peak = 0;
+        while !attack.is_finished() {
+            peak = peak.max(transfers.active());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        peak
+    };
+    let (sent, data, errors, bytes) = attack.await.expect("attack");
+    // The accepted transfers wait for ACKs that never come: they are all still in flight now.
+    let peak = peak.max(transfers.active());
+    let fetched = fetched.await.expect("curl");
+    let started = std::time::Instant::now();
+    let reclaimed = async {
+        while transfers.active() > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let budget = limits.timeout * (limits.retries + 2);
+    tokio::time::timeout(budget + Duration::from_secs(5), reclaimed)
+        .await
+        .expect("abandoned transfers are reclaimed");
+    println!(
+        "TFTP: {sent} unacknowledged requests from one address; budget {} per client, {} in all; \
+         peak transfers {peak}; first answers: {data} data, {errors} ERROR; {bytes} bytes sent to \
+         the attacker ({:.1}× the {} request bytes); reclaimed in {:?} (budget {budget:?}); \
+         the real host: {}",
+        limits.max_per_client,
+        limits.max_transfers,
+        bytes as f64 / (sent * request(1, "undionly.kpxe").len()) as f64,
+        sent * request(1, "undionly.kpxe").len(),
+        started.elapsed(),
+        if fetched.status.success() {
+            "served"
+        } else {
+            "FAILED"
+        }
+    );
+    assert!(
+        peak <= limits.max_per_client + 1,
+        "transfers in flight {peak} stay within the per-client budget (+1: the real host)"
+    );
+    assert!(data <= limits.max_per_client, "{data} accepted");
+    assert!(
+        errors >= sent - limits.max_per_client - sent / 10,
+        "{errors} refused with an ERROR (a few requests of the burst may be dropped by the kernel)"
+    );
+    assert!(
+        fetched.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fetched.stderr)
+    );
+    assert!(std::fs::read(&out).expect("downloaded") == original());
+}

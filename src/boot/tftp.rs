@@ -6,8 +6,13 @@
 //! points: only the operator can create one, and Debian's own `/usr/lib/ipxe/ipxe.efi` is a link
 //! to `/boot/ipxe.efi`.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use async_tftp::packet;
 use async_tftp::server::{Handler, TftpServerBuilder};
@@ -48,20 +53,121 @@ pub fn resolve(root: &Path, requested: &str) -> Result<PathBuf, Refusal> {
     Ok(file)
 }
 
+/// Budgets of the TFTP server. Anyone on the provisioning network can send a read request (over
+/// UDP, spoofable), so transfers are capped in number, in memory and in time.
+#[derive(Clone, Debug)]
+pub struct TftpLimits {
+    /// Transfers at once; more get an ERROR packet.
+    pub max_transfers: usize,
+    /// Transfers at once per client address.
+    pub max_per_client: usize,
+    /// Wait for an ACK before resending; the client's own `timeout` option is ignored.
+    pub timeout: Duration,
+    /// Resends before an unacknowledged transfer is dropped (reclaimed after about
+    /// `timeout × (retries + 1)`).
+    pub retries: u32,
+    /// Largest block offered (iPXE and firmware ask for 1432–1468).
+    pub block_size: u16,
+    /// Blocks in flight before an ACK (1: a spoofed request gets one block, no more).
+    pub window: u16,
+    /// Read-ahead per transfer: the memory a transfer holds, whatever the file size.
+    pub read_buffer: usize,
+}
+
+impl Default for TftpLimits {
+    fn default() -> Self {
+        Self {
+            max_transfers: 256,
+            max_per_client: 32,
+            timeout: Duration::from_secs(3),
+            retries: 3,
+            block_size: 1468,
+            window: 1,
+            read_buffer: 16 * 1024,
+        }
+    }
+}
+
+/// Transfers in flight, in all and per client address.
+#[derive(Debug, Default)]
+pub struct Transfers {
+    per_client: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Transfers {
+    pub fn active(&self) -> usize {
+        self.per_client
+            .lock()
+            .map(|m| m.values().sum())
+            .unwrap_or(0)
+    }
+
+    fn take(self: &Arc<Self>, ip: IpAddr, limits: &TftpLimits) -> Option<TransferSlot> {
+        let mut per_client = self.per_client.lock().ok()?;
+        let total: usize = per_client.values().sum();
+        let mine = per_client.entry(ip).or_default();
+        if total >= limits.max_transfers || *mine >= limits.max_per_client {
+            return None;
+        }
+        *mine += 1;
+        Some(TransferSlot(self.clone(), ip))
+    }
+}
+
+/// Held by a transfer's reader: the slot frees when the transfer ends, however it ends.
+struct TransferSlot(Arc<Transfers>, IpAddr);
+
+impl Drop for TransferSlot {
+    fn drop(&mut self) {
+        if let Ok(mut per_client) = self.0.per_client.lock()
+            && let Some(n) = per_client.get_mut(&self.1)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per_client.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// A file streamed from a blocking-pool thread through a small buffer, holding its slot.
+pub struct TransferReader {
+    file: blocking::Unblock<std::fs::File>,
+    _slot: TransferSlot,
+}
+
+impl futures::io::AsyncRead for TransferReader {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.file).poll_read(cx, buf)
+    }
+}
+
 pub struct ReadOnlyRoot {
     root: PathBuf,
+    limits: TftpLimits,
+    transfers: Arc<Transfers>,
 }
 
 impl ReadOnlyRoot {
     pub fn new(root: &Path) -> std::io::Result<Self> {
+        Self::with_limits(root, TftpLimits::default())
+    }
+
+    pub fn with_limits(root: &Path, limits: TftpLimits) -> std::io::Result<Self> {
         Ok(Self {
             root: std::fs::canonicalize(root)?,
+            limits,
+            transfers: Arc::default(),
         })
     }
 }
 
 impl Handler for ReadOnlyRoot {
-    type Reader = blocking::Unblock<std::fs::File>;
+    type Reader = TransferReader;
     type Writer = futures::io::Sink;
 
     async fn read_req_open(
@@ -72,6 +178,11 @@ impl Handler for ReadOnlyRoot {
         let requested = path.to_string_lossy().into_owned();
         // Names come from anyone on the network: cut short, and logged escaped (`?`).
         let shown: String = requested.chars().take(80).collect();
+        let Some(slot) = self.transfers.take(client.ip(), &self.limits) else {
+            tracing::debug!(%client, "TFTP read refused: too many transfers");
+            crate::metrics::record_tftp("refused", "busy");
+            return Err(packet::Error::Msg("too many transfers, retry".into()));
+        };
         match resolve(&self.root, &requested) {
             Ok(file) => {
                 let opened = blocking::unblock(move || {
@@ -86,8 +197,9 @@ impl Handler for ReadOnlyRoot {
                         let name = shown.trim_start_matches('/');
                         tracing::info!(%client, file = %name, bytes = size, "TFTP read");
                         crate::metrics::record_tftp(name, "served");
-                        // Streamed from a blocking-pool thread; the file is never held in memory.
-                        Ok((blocking::Unblock::new(f), Some(size)))
+                        // Streamed through a small buffer; the file is never held in memory.
+                        let file = blocking::Unblock::with_capacity(self.limits.read_buffer, f);
+                        Ok((TransferReader { file, _slot: slot }, Some(size)))
                     }
                     Err(e) => {
                         tracing::warn!(%client, file = %shown, error = %e, "TFTP read failed");
@@ -129,18 +241,38 @@ impl Handler for ReadOnlyRoot {
 /// A bound TFTP server; `serve` runs it until the process ends.
 pub struct Tftp {
     server: async_tftp::server::TftpServer<ReadOnlyRoot>,
+    transfers: Arc<Transfers>,
 }
 
 impl Tftp {
     pub async fn bind(addr: SocketAddr, root: &Path) -> Result<Self, String> {
-        let handler =
-            ReadOnlyRoot::new(root).map_err(|e| format!("TFTP root {}: {e}", root.display()))?;
+        Self::bind_with(addr, root, TftpLimits::default()).await
+    }
+
+    pub async fn bind_with(
+        addr: SocketAddr,
+        root: &Path,
+        limits: TftpLimits,
+    ) -> Result<Self, String> {
+        let handler = ReadOnlyRoot::with_limits(root, limits.clone())
+            .map_err(|e| format!("TFTP root {}: {e}", root.display()))?;
+        let transfers = handler.transfers.clone();
         let server = TftpServerBuilder::with_handler(handler)
             .bind(addr)
+            .timeout(limits.timeout)
+            .ignore_client_timeout()
+            .max_send_retries(limits.retries)
+            .block_size_limit(limits.block_size)
+            .window_size_limit(limits.window)
             .build()
             .await
             .map_err(|e| format!("binding TFTP to {addr}: {e}"))?;
-        Ok(Self { server })
+        Ok(Self { server, transfers })
+    }
+
+    /// Transfers in flight now.
+    pub fn transfers(&self) -> Arc<Transfers> {
+        self.transfers.clone()
     }
 
     pub fn local_addr(&self) -> Option<SocketAddr> {
