@@ -93,6 +93,23 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
         "timings table printed: {stdout}"
     );
 
+    // `lab status | head`: the reader may close the pipe before status writes (`true` closes it
+    // at once); status must not panic on it.
+    let piped = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{}' lab status --dir '{}' | true",
+            env!("CARGO_BIN_EXE_metalboot"),
+            dir.display()
+        ))
+        .output()
+        .expect("lab status | head");
+    let stderr = String::from_utf8_lossy(&piped.stderr);
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+        "lab status | head: {stderr}"
+    );
+
     let state: LabState = read_json(&dir.join("state.json"));
     let kubeconfig = kube::config::Kubeconfig::read_from(&state.kubeconfig).expect("kubeconfig");
     let client = metalboot::controlplane::client_from_kubeconfig(kubeconfig)

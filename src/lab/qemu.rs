@@ -239,14 +239,16 @@ impl QemuHost {
 
     /// ACPI power button, then force after the grace period if the guest ignored it.
     pub async fn graceful_off(self: &std::sync::Arc<Self>) -> Result<(), QemuError> {
-        if self.pid().await.is_none() {
+        let Some(pid) = self.pid().await else {
             return Ok(());
-        }
+        };
         let _ = qmp(&self.qmp_socket(), "system_powerdown", json!({})).await;
         let host = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(host.spec.graceful_seconds)).await;
-            if host.pid().await.is_some() {
+            // Only the QEMU that was asked to power down: a host powered on again during the
+            // grace period runs a new one, which must not be killed.
+            if host.pid().await == Some(pid) {
                 tracing::info!(host = %host.spec.name, "guest ignored the ACPI power button; forcing off");
                 let _ = host.force_off().await;
             }

@@ -854,17 +854,21 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
 
 pub async fn status(dir: &Path) -> Result<(), LabError> {
     let (state, rows) = rows(dir).await?;
-    print!("{}", render_table(&rows, None));
     let timings: BTreeMap<String, Timeline> =
         read_json(&dir.join("timings.json")).unwrap_or_default();
-    println!();
-    print!("{}", render_timings(&timings));
-    println!(
-        "\nhosts run under {}; KUBECONFIG={}",
+    let text = format!(
+        "{}\n{}\nhosts run under {}; KUBECONFIG={}\n",
+        render_table(&rows, None),
+        render_timings(&timings),
         state.accel.to_uppercase(),
         state.kubeconfig.display()
     );
-    Ok(())
+    // `lab status | head` closes the pipe early: that is the reader's choice, not an error.
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(io("writing the status")(e)),
+        _ => Ok(()),
+    }
 }
 
 /// Stops the daemon `up` started (and so everything it runs).
