@@ -49,6 +49,8 @@ async fn artifacts_are_served_with_ranges_and_nothing_outside_the_directory() {
     let dir = root.path().join("artifacts");
     std::fs::create_dir_all(dir.join("debian")).expect("mkdir");
     std::fs::write(root.path().join("secret.txt"), "outside").expect("outside file");
+    // A directory link out of the artifacts root (a mistake, or planted): must not be followed.
+    std::os::unix::fs::symlink(root.path(), dir.join("up")).expect("dir symlink");
     let small: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
     std::fs::write(dir.join("vmlinuz"), &small).expect("vmlinuz");
     let big = dir.join("debian/initrd.img");
@@ -125,6 +127,9 @@ async fn artifacts_are_served_with_ranges_and_nothing_outside_the_directory() {
                 "{escape} leaked the file"
             );
         }
+        let (code, body, _) = curl(&[&format!("{base}/artifacts/up/secret.txt")]);
+        assert_eq!(code, "403", "a directory link out of the root is refused");
+        assert!(!String::from_utf8_lossy(&body).contains("outside"));
         let (code, _, _) = curl(&[&format!("{base}/artifacts/missing")]);
         assert_eq!(code, "404");
 

@@ -25,6 +25,18 @@ fn limits() -> HttpLimits {
     }
 }
 
+/// Resident memory of this process (server and attackers both live here), in KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| d.count())
@@ -88,6 +100,7 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
     })
     .await;
     let fds_before = open_fds();
+    let rss_before = rss_kib();
     let budget = limits();
 
     // 1. Slowloris: 100 connections from one address, each sending headers that never end.
@@ -103,6 +116,7 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
         }
     }
     let fds_peak = open_fds();
+    let rss_peak = rss_kib();
     let mut served = 0;
     for _ in 0..10 {
         served += usize::from(legitimate(boot).await);
@@ -189,7 +203,15 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
         (now <= fds_before + 8).then_some(now)
     })
     .await;
-    println!("fds: before {fds_before}, peak {fds_peak}, after {fds_after}");
+    println!(
+        "fds: before {fds_before}, peak {fds_peak}, after {fds_after}; RSS KiB: before {rss_before}, \
+         during the slowloris {rss_peak}, after {}",
+        rss_kib()
+    );
+    assert!(
+        rss_peak < rss_before + 64 * 1024,
+        "the attack costs less than 64 MiB of memory ({rss_before} → {rss_peak} KiB)"
+    );
     assert!(legitimate(boot).await);
     drop(manager);
 }

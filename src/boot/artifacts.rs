@@ -3,6 +3,7 @@
 //! our own path check so nothing outside the directory can be named.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::Request;
@@ -65,13 +66,29 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-async fn guard(request: Request, next: Next) -> Response {
+async fn guard(
+    axum::extract::State(root): axum::extract::State<Arc<PathBuf>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let raw = request.uri().path().trim_start_matches('/');
     let verdict = percent_decode(raw)
         .ok_or(PathRejection::BadCharacter)
-        .and_then(|p| check_relative_path(&p));
+        .and_then(|p| check_relative_path(&p).map(|()| p));
     match verdict {
-        Ok(()) => next.run(request).await,
+        // A directory link out of the root is refused, as TFTP refuses it; a missing file is
+        // left to the file server's 404.
+        Ok(path) => match super::tftp::inside_root(&root, &path) {
+            Err(super::tftp::Refusal::OutsideRoot) => {
+                tracing::warn!(route = "/artifacts", path = %raw.chars().take(120).collect::<String>(), "artifact path leaves the root through a link");
+                (
+                    StatusCode::FORBIDDEN,
+                    "refused: not under the artifacts directory\n",
+                )
+                    .into_response()
+            }
+            _ => next.run(request).await,
+        },
         Err(why) => {
             tracing::warn!(route = "/artifacts", path = %raw.chars().take(120).collect::<String>(), %why, "refused artifact path");
             (StatusCode::BAD_REQUEST, format!("refused: {why}\n")).into_response()
@@ -85,13 +102,15 @@ const CHUNK: usize = 256 * 1024;
 
 /// The `/artifacts` routes for `dir` (mount with `Router::nest("/artifacts", …)`).
 pub fn artifacts_router(dir: PathBuf) -> Router {
+    // Canonical once, so "inside the root" compares real paths.
+    let root = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
     Router::new()
         .fallback_service(
             ServeDir::new(dir)
                 .append_index_html_on_directories(false)
                 .with_buf_chunk_size(CHUNK),
         )
-        .layer(middleware::from_fn(guard))
+        .layer(middleware::from_fn_with_state(Arc::new(root), guard))
 }
 
 #[cfg(test)]

@@ -39,6 +39,12 @@ pub fn resolve(root: &Path, requested: &str) -> Result<PathBuf, Refusal> {
     }
     let relative = requested.strip_prefix('/').unwrap_or(requested);
     check_relative_path(relative).map_err(|e| Refusal::BadName(e.to_string()))?;
+    inside_root(root, relative)
+}
+
+/// `relative` (already a checked relative path) under `root`, if its directory stays inside the
+/// root after following links and it is a file. Shared by TFTP and `/artifacts`.
+pub fn inside_root(root: &Path, relative: &str) -> Result<PathBuf, Refusal> {
     let joined = root.join(relative);
     // The directory part must stay inside the root even after following links.
     let parent = joined.parent().ok_or(Refusal::NotFound)?;
