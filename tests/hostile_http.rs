@@ -197,6 +197,65 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
     );
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");
 
+    // 4. A flood of unknown tokens while attempts are in flight: each costs a map lookup, not a
+    //    parse of every boot Secret (64 KiB of user-data each here).
+    const ATTEMPTS: usize = 20;
+    const FLOOD: usize = 1000;
+    for i in 0..ATTEMPTS {
+        let machine = support::boot::create_machine(
+            &ns.client,
+            &ns.name,
+            &format!("m{i}"),
+            metalboot::api::metalmachine::BootProfile {
+                kernel: "vmlinuz".into(),
+                initrds: vec![],
+                cmdline: None,
+            },
+        )
+        .await;
+        support::boot::create_boot_secret(
+            &ns.client,
+            &ns.name,
+            &machine,
+            &format!("h{i}"),
+            &[b'x'; 65536],
+        )
+        .await;
+    }
+    support::eventually("the boot service sees every attempt", 30, || async {
+        (manager.boot.stores.boot_secrets.state().len() >= ATTEMPTS).then_some(())
+    })
+    .await;
+    let parsed_before = manager.boot.secrets_parsed();
+    let flooder = reqwest::Client::builder()
+        .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)))
+        .build()
+        .expect("client");
+    let started = Instant::now();
+    let mut refused = 0;
+    for i in 0..FLOOD {
+        let token = format!("{i:064x}");
+        if let Ok(r) = flooder
+            .get(format!("http://{boot}/nocloud/{token}/meta-data"))
+            .send()
+            .await
+        {
+            refused += usize::from(r.status() == reqwest::StatusCode::NOT_FOUND);
+        }
+    }
+    let parsed = manager.boot.secrets_parsed() - parsed_before;
+    println!(
+        "unknown-token flood: {FLOOD} requests ({refused} answered 404) in {:?} with {ATTEMPTS} \
+         attempts in flight; boot Secrets parsed: {parsed} (a scan per request would be {})",
+        started.elapsed(),
+        FLOOD * ATTEMPTS
+    );
+    assert_eq!(refused, FLOOD);
+    assert!(
+        parsed <= 2 * ATTEMPTS as u64,
+        "token lookups go through the index: {parsed} parses for {FLOOD} requests"
+    );
+
     // Afterwards: the process is back near where it started, and still serves.
     let fds_after = support::eventually("fds back near baseline", 30, || async {
         let now = open_fds();

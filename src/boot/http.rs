@@ -84,11 +84,98 @@ pub struct BootState {
     pins: Mutex<HashMap<String, IpAddr>>,
     /// Event writes caused by requests, rate-limited per machine and reason.
     event_limiter: EventLimiter,
+    /// Token hash → boot Secret, so a token costs one lookup and one parse.
+    tokens: TokenIndex,
     /// Recently served tokens (hash → namespace, machine), to attribute replays to a machine.
     seen: Mutex<SeenTokens>,
     /// Stores have synced: before that every host would look unknown.
     ready: std::sync::atomic::AtomicBool,
     events: tokio::sync::broadcast::Sender<BootEvent>,
+}
+
+/// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
+/// rebuilt at most once per [`TOKEN_REINDEX`] when a token is not found.
+#[derive(Default)]
+struct TokenIndex {
+    inner: Mutex<TokenIndexInner>,
+    parsed: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct TokenIndexInner {
+    by_hash: HashMap<u64, ObjectRef<Secret>>,
+    /// resourceVersion indexed per Secret, and the hash it gave.
+    versions: HashMap<ObjectRef<Secret>, (String, u64)>,
+    refreshed: Option<std::time::Instant>,
+}
+
+const TOKEN_REINDEX: std::time::Duration = std::time::Duration::from_millis(500);
+
+impl TokenIndex {
+    fn find(&self, hash: u64, store: &Store<Secret>) -> Option<BootRecord> {
+        let key = self.inner.lock().ok()?.by_hash.get(&hash).cloned()?;
+        let secret = store.get(&key)?;
+        self.parsed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tokens::parse_boot_secret(&secret).ok()
+    }
+
+    fn note(&self, secret: &Secret, record: &BootRecord) {
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        let key = ObjectRef::from_obj(secret);
+        let hash = token_hash(record.token.expose());
+        let version = secret.resource_version().unwrap_or_default();
+        if let Some((_, old)) = inner.versions.insert(key.clone(), (version, hash)) {
+            inner.by_hash.remove(&old);
+        }
+        inner.by_hash.insert(hash, key);
+    }
+
+    fn refresh(&self, store: &Store<Secret>) {
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        if inner
+            .refreshed
+            .is_some_and(|at| at.elapsed() < TOKEN_REINDEX)
+        {
+            return;
+        }
+        inner.refreshed = Some(std::time::Instant::now());
+        let secrets = store.state();
+        let live: std::collections::HashSet<ObjectRef<Secret>> = secrets
+            .iter()
+            .map(|s| ObjectRef::from_obj(s.as_ref()))
+            .collect();
+        let TokenIndexInner {
+            by_hash, versions, ..
+        } = &mut *inner;
+        versions.retain(|key, (_, hash)| {
+            let keep = live.contains(key);
+            if !keep {
+                by_hash.remove(hash);
+            }
+            keep
+        });
+        for secret in secrets {
+            let key = ObjectRef::from_obj(secret.as_ref());
+            let version = secret.resource_version().unwrap_or_default();
+            if versions.get(&key).is_some_and(|(v, _)| *v == version) {
+                continue;
+            }
+            self.parsed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(record) = tokens::parse_boot_secret(&secret) {
+                let hash = token_hash(record.token.expose());
+                if let Some((_, old)) = versions.insert(key.clone(), (version, hash)) {
+                    by_hash.remove(&old);
+                }
+                by_hash.insert(hash, key);
+            }
+        }
+    }
 }
 
 /// At most one Event per key per [`EVENT_INTERVAL`]; the map is pruned so it stays bounded.
@@ -169,6 +256,7 @@ impl BootState {
             callbacks,
             pins: Mutex::new(HashMap::new()),
             event_limiter: EventLimiter::default(),
+            tokens: TokenIndex::default(),
             seen: Mutex::new(SeenTokens::default()),
             ready: std::sync::atomic::AtomicBool::new(false),
             events: tokio::sync::broadcast::channel(256).0,
@@ -217,7 +305,11 @@ impl BootState {
             .boot_secrets
             .get(&ObjectRef::new(&tokens::boot_secret_name(machine)).within(namespace))?;
         match tokens::parse_boot_secret(&secret) {
-            Ok(record) => Some(record),
+            Ok(record) => {
+                // The token is about to be handed out: index it now, not at the next re-index.
+                self.tokens.note(&secret, &record);
+                Some(record)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "ignoring unreadable boot Secret");
                 None
@@ -227,13 +319,17 @@ impl BootState {
 
     /// Finds the attempt a presented token belongs to.
     fn lookup(&self, token: &str) -> TokenLookup {
-        for secret in self.stores.boot_secrets.state() {
-            let Ok(record) = tokens::parse_boot_secret(&secret) else {
-                continue;
-            };
-            if !record.token.matches(token) {
-                continue;
-            }
+        let hash = token_hash(token);
+        let found = self
+            .tokens
+            .find(hash, &self.stores.boot_secrets)
+            .or_else(|| {
+                // Not indexed: a boot Secret may be newer than the index. Re-index at most once per
+                // interval, so a flood of unknown tokens costs a map lookup each, not a scan.
+                self.tokens.refresh(&self.stores.boot_secrets);
+                self.tokens.find(hash, &self.stores.boot_secrets)
+            });
+        if let Some(record) = found.filter(|r| r.token.matches(token)) {
             let machine = self.machine(&record.namespace, &record.metal_machine);
             let live = machine
                 .as_ref()
@@ -247,11 +343,18 @@ impl BootState {
             .seen
             .lock()
             .ok()
-            .and_then(|s| s.owners.get(&token_hash(token)).cloned());
+            .and_then(|s| s.owners.get(&hash).cloned());
         match owner {
             Some((namespace, name)) => TokenLookup::Replayed(self.machine(&namespace, &name)),
             None => TokenLookup::Unknown,
         }
+    }
+
+    /// Boot Secrets parsed so far (each version once; tests check a token flood adds none).
+    pub fn secrets_parsed(&self) -> u64 {
+        self.tokens
+            .parsed
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn remember(&self, record: &BootRecord) {

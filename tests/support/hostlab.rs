@@ -284,14 +284,16 @@ pub fn condition(mm: &MetalMachine, type_: &str) -> Option<(String, String, Stri
 /// Plays the host: fetches the chain from the boot service and returns the NoCloud seed URL.
 pub async fn boot_chain(base: &str, mac: &str) -> String {
     let http = reqwest::Client::new();
-    let entry = http
-        .get(format!("{base}/boot.ipxe"))
-        .send()
-        .await
-        .expect("boot.ipxe")
-        .text()
-        .await
-        .expect("text");
+    // Like iPXE, retry while the boot service says it is still starting (503 until its stores
+    // have synced): the test may reach it first, right after a manager start.
+    let entry = support::eventually("the boot service answers boot.ipxe", 30, || async {
+        let r = http.get(format!("{base}/boot.ipxe")).send().await.ok()?;
+        if r.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            return None;
+        }
+        r.text().await.ok()
+    })
+    .await;
     assert!(entry.contains("/ipxe/${mac:hexhyp}"), "{entry}");
     let script = http
         .get(format!("{base}/ipxe/{}", mac.replace(':', "-")))
