@@ -920,9 +920,9 @@ async fn record_callback(
         let Some(resource_version) = current.resource_version.clone() else {
             return Err(CallbackWrite::Superseded);
         };
-        let mut patch = tokens::callback_patch(received)
+        let patch = tokens::callback_patch(received)
             .map_err(|e| CallbackWrite::Failed(format!("encoding the callback record: {e}")))?;
-        patch["metadata"] = serde_json::json!({ "resourceVersion": resource_version });
+        let patch = crate::controllers::conditioned(patch, Some(&resource_version));
         match secrets
             .patch(
                 &record.secret_name,

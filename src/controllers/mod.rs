@@ -227,6 +227,16 @@ where
     )))
 }
 
+/// `patch`, applied only to the version it was decided from: a stale read is a 409 and a new
+/// decision, never a lost write of another controller. Every cross-controller write uses it.
+pub fn conditioned(
+    mut patch: serde_json::Value,
+    resource_version: Option<&str>,
+) -> serde_json::Value {
+    patch["metadata"]["resourceVersion"] = serde_json::json!(resource_version);
+    patch
+}
+
 /// Patch parameters for a merge patch written under a controller's field manager.
 pub fn merge_params(manager: &str) -> PatchParams {
     PatchParams {

@@ -6,32 +6,36 @@ use kube::api::{Api, DynamicObject, Patch};
 use kube::{Resource, ResourceExt};
 
 use crate::api::{CLUSTER_NAME_LABEL, Machine};
-use crate::controllers::{ReconcileError, merge_params, refs};
+use crate::controllers::{ReconcileError, conditioned, merge_params, refs};
 
 use super::decide::Step;
 use super::observe::Observation;
 use super::{FIELD_MANAGER, FINALIZER, MachineContext};
 
-/// A merge patch on the Machine, applied only to the version `decide` saw.
-async fn patch_machine(
+/// A merge patch on the Machine, applied only to `version` (the one `decide` saw, or the one the
+/// pass's own status write produced); the next decision waits until the store shows the write.
+pub async fn patch_machine(
     ctx: &MachineContext,
     m: &Machine,
-    mut patch: serde_json::Value,
+    version: Option<String>,
+    patch: serde_json::Value,
     what: &str,
 ) -> Result<(), ReconcileError> {
-    patch["metadata"]["resourceVersion"] = serde_json::json!(m.resource_version());
-    Api::<Machine>::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default())
-        .patch(
-            &m.name_any(),
-            &merge_params(FIELD_MANAGER),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map(|_| ())
-        .map_err(ReconcileError::write(format!(
-            "Machine {} {what}",
-            m.name_any()
-        )))
+    let written =
+        Api::<Machine>::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default())
+            .patch(
+                &m.name_any(),
+                &merge_params(FIELD_MANAGER),
+                &Patch::Merge(&conditioned(patch, version.as_deref())),
+            )
+            .await
+            .map_err(ReconcileError::write(format!(
+                "Machine {} {what}",
+                m.name_any()
+            )))?;
+    ctx.expectations
+        .wrote(super::machine_key(m), version, written.resource_version());
+    Ok(())
 }
 
 /// Adds the Machine's controller owner reference and the cluster-name label to `obj`.
@@ -49,11 +53,13 @@ async fn adopt(
         owners.retain(|o| o.controller != Some(true));
         owners.push(owner);
     }
-    let patch = serde_json::json!({"metadata": {
-        "labels": {CLUSTER_NAME_LABEL: m.spec.cluster_name},
-        "ownerReferences": owners,
-        "resourceVersion": obj.resource_version(),
-    }});
+    let patch = conditioned(
+        serde_json::json!({"metadata": {
+            "labels": {CLUSTER_NAME_LABEL: m.spec.cluster_name},
+            "ownerReferences": owners,
+        }}),
+        obj.resource_version().as_deref(),
+    );
     let api = refs::api_for(&ctx.client, &m.namespace().unwrap_or_default(), r).await?;
     api.patch(
         &obj.name_any(),
@@ -79,6 +85,7 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
             patch_machine(
                 ctx,
                 m,
+                m.resource_version(),
                 serde_json::json!({"metadata": {"finalizers": finalizers}}),
                 "finalizer",
             )
@@ -90,6 +97,7 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
             patch_machine(
                 ctx,
                 m,
+                m.resource_version(),
                 serde_json::json!({"metadata": {
                     "labels": {CLUSTER_NAME_LABEL: m.spec.cluster_name},
                     "ownerReferences": owners,
@@ -110,6 +118,7 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
             patch_machine(
                 ctx,
                 m,
+                m.resource_version(),
                 serde_json::json!({"spec": {"bootstrap": {"dataSecretName": secret}}}),
                 "dataSecretName",
             )
@@ -119,6 +128,7 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
             patch_machine(
                 ctx,
                 m,
+                m.resource_version(),
                 serde_json::json!({"spec": {"providerID": id}}),
                 "providerID",
             )

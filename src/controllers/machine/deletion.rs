@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch};
+use kube::api::{Api, DeleteParams};
 use kube::runtime::controller::Action;
 
 use crate::api::capi::MachineStatus;
 use crate::api::{Cluster, Machine};
 use crate::controllers::conditions::{self, Want};
-use crate::controllers::{ReconcileError, drain, is_paused, key, merge_params, refs};
+use crate::controllers::{ReconcileError, drain, is_paused, key, refs};
 
 use super::observe::cluster_of;
 use super::{
@@ -74,21 +74,14 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
                 .cloned()
                 .collect();
             // Conditioned on the version our status write produced, not the one we read.
-            let patch = serde_json::json!({"metadata": {
-                "finalizers": finalizers,
-                "resourceVersion": version,
-            }});
-            Api::<Machine>::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default())
-                .patch(
-                    &m.name_any(),
-                    &merge_params(FIELD_MANAGER),
-                    &Patch::Merge(&patch),
-                )
-                .await
-                .map_err(ReconcileError::write(format!(
-                    "Machine {} finalizer",
-                    m.name_any()
-                )))?;
+            super::act::patch_machine(
+                ctx,
+                &m,
+                version,
+                serde_json::json!({"metadata": {"finalizers": finalizers}}),
+                "finalizer",
+            )
+            .await?;
             ctx.triggers.forget_machine(m.as_ref());
             ctx.backoff.reset(&key(m.as_ref()));
             Ok(Action::await_change())

@@ -59,7 +59,7 @@ where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let kind = K::kind(&());
-    let patch = super::claim::conditioned(patch, replaced.as_deref());
+    let patch = crate::controllers::conditioned(patch, replaced.as_deref());
     let written = api
         .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
         .await

@@ -143,15 +143,7 @@ pub fn release_patch(deprovision_failed: Option<&str>) -> serde_json::Value {
     })
 }
 
-/// `patch`, applied only to the version it was decided from: a stale read is a 409 and a new
-/// decision, never a lost write of another controller.
-pub fn conditioned(
-    mut patch: serde_json::Value,
-    resource_version: Option<&str>,
-) -> serde_json::Value {
-    patch["metadata"]["resourceVersion"] = serde_json::json!(resource_version);
-    patch
-}
+pub use crate::controllers::conditioned;
 
 #[cfg(test)]
 mod tests {
