@@ -10,7 +10,7 @@
 //! state the host is in) are pure and table-tested below.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
@@ -21,7 +21,6 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
-use tracing::Instrument;
 
 use crate::api::metalhost::{
     HardwareInventory, HostErrorType, HostState, MetalHostStatus, PowerState,
@@ -317,18 +316,8 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
     if !super::passes_watch_filter(host.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
-    let started = Instant::now();
     let object = key(host.as_ref());
-    let span =
-        tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(host.as_ref()));
-    let result = pass(host, &ctx).instrument(span).await;
-    crate::metrics::record_reconcile(
-        CONTROLLER,
-        result.as_ref().err().map(|e| e.category()),
-        started.elapsed(),
-    );
-    crate::metrics::record_pass(CONTROLLER, &object);
-    result
+    super::instrumented(CONTROLLER, object, pass(host, &ctx)).await
 }
 
 async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, ReconcileError> {

@@ -191,6 +191,29 @@ pub fn backoff_delay(n: u32) -> Duration {
     Backoff::BASE.saturating_mul(1u32 << exp).min(Backoff::MAX)
 }
 
+/// Runs one reconcile pass of `controller` over `object` in a span naming both, and records its
+/// duration, error category and per-object pass count (what tests wait on).
+pub async fn instrumented<F>(
+    controller: &str,
+    object: String,
+    pass: F,
+) -> Result<kube::runtime::controller::Action, ReconcileError>
+where
+    F: std::future::Future<Output = Result<kube::runtime::controller::Action, ReconcileError>>,
+{
+    use tracing::Instrument;
+    let started = std::time::Instant::now();
+    let span = tracing::info_span!("reconcile", controller, object = %object);
+    let result = pass.instrument(span).await;
+    crate::metrics::record_reconcile(
+        controller,
+        result.as_ref().err().map(|e| e.category()),
+        started.elapsed(),
+    );
+    crate::metrics::record_pass(controller, &object);
+    result
+}
+
 /// `namespace/name` of an object, the key for backoff and logs.
 pub fn key<K: Resource>(obj: &K) -> String {
     format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())

@@ -21,7 +21,7 @@ pub mod workloads;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -33,7 +33,6 @@ use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::Instrument;
 
 use crate::api::capi::MachineStatus;
 use crate::api::{CloudInitConfig, Cluster, Machine, MetalMachine};
@@ -217,17 +216,8 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, 
     if !passes_watch_filter(m.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
-    let started = Instant::now();
     let object = key(m.as_ref());
-    let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %key(m.as_ref()));
-    let result = pass(m, &ctx).instrument(span).await;
-    crate::metrics::record_reconcile(
-        CONTROLLER,
-        result.as_ref().err().map(|e| e.category()),
-        started.elapsed(),
-    );
-    crate::metrics::record_pass(CONTROLLER, &object);
-    result
+    super::instrumented(CONTROLLER, object, pass(m, &ctx)).await
 }
 
 /// One pass: deletion is its own pipeline; otherwise observe → decide → act → status.

@@ -17,7 +17,7 @@ pub mod decide;
 pub mod observe;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -26,7 +26,6 @@ use kube::runtime::Controller;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
-use tracing::Instrument;
 
 use crate::api::common::MachineAddress;
 use crate::api::metalmachine::MetalMachineStatus;
@@ -129,17 +128,8 @@ async fn reconcile(
     if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
-    let started = Instant::now();
     let object = super::key(mm.as_ref());
-    let span = tracing::info_span!("reconcile", controller = CONTROLLER, object = %super::key(mm.as_ref()));
-    let result = pass(mm, &ctx).instrument(span).await;
-    crate::metrics::record_reconcile(
-        CONTROLLER,
-        result.as_ref().err().map(|e| e.category()),
-        started.elapsed(),
-    );
-    crate::metrics::record_pass(CONTROLLER, &object);
-    result
+    super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await
 }
 
 async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
