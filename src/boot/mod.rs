@@ -4,6 +4,7 @@
 //! never decides anything about a machine's lifecycle itself.
 
 pub mod artifacts;
+pub mod budget;
 pub mod http;
 pub mod ipxe;
 pub mod nocloud;

@@ -4,9 +4,7 @@
 //! connection may live at all. `axum::serve` has none of these knobs; hyper's connection builder
 //! has the header timeout, the rest is the accept loop below.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,8 +12,9 @@ use axum::extract::ConnectInfo;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
+
+use super::budget::{ClientSlots, Slot};
 
 /// Budgets of the boot HTTP server.
 #[derive(Clone, Debug)]
@@ -44,45 +43,13 @@ impl Default for HttpLimits {
     }
 }
 
-/// Connections per client address; a guard gives its slot back when the connection ends.
-#[derive(Default)]
-struct PerClient(Mutex<HashMap<IpAddr, usize>>);
-
-struct ClientSlot(Arc<PerClient>, IpAddr);
-
-impl PerClient {
-    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<ClientSlot> {
-        let mut open = self.0.lock().ok()?;
-        let n = open.entry(ip).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(ClientSlot(self.clone(), ip))
-    }
-}
-
-impl Drop for ClientSlot {
-    fn drop(&mut self) {
-        if let Ok(mut open) = self.0.0.lock()
-            && let Some(n) = open.get_mut(&self.1)
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                open.remove(&self.1);
-            }
-        }
-    }
-}
-
 /// Serves `app` on `listener` within `limits` until the listener fails.
 pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> std::io::Result<()> {
     let app = app.layer(tower_http::timeout::TimeoutLayer::with_status_code(
         axum::http::StatusCode::REQUEST_TIMEOUT,
         limits.request_timeout,
     ));
-    let all = Arc::new(Semaphore::new(limits.max_connections));
-    let per_client = Arc::new(PerClient::default());
+    let slots = ClientSlots::new(limits.max_connections, limits.max_connections_per_client);
     loop {
         let (stream, remote) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -93,20 +60,18 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> st
                 continue;
             }
         };
-        let Ok(permit) = all.clone().try_acquire_owned() else {
-            crate::metrics::record_http_refused("connections");
-            continue; // dropping the stream closes it
-        };
-        let Some(slot) = per_client.take(remote.ip(), limits.max_connections_per_client) else {
-            crate::metrics::record_http_refused("per_client");
-            continue;
+        let slot = match slots.take(remote.ip()) {
+            Ok(slot) => slot,
+            Err(full) => {
+                crate::metrics::record_http_refused(full.label());
+                continue; // dropping the stream closes it
+            }
         };
         tokio::spawn(connection(
             stream,
             remote,
             app.clone(),
             limits.clone(),
-            permit,
             slot,
         ));
     }
@@ -117,8 +82,7 @@ async fn connection(
     remote: SocketAddr,
     app: Router,
     limits: HttpLimits,
-    _permit: OwnedSemaphorePermit,
-    _slot: ClientSlot,
+    _slot: Slot,
 ) {
     let service = app.map_request(move |mut request: hyper::Request<hyper::body::Incoming>| {
         request.extensions_mut().insert(ConnectInfo(remote));

@@ -6,11 +6,10 @@
 //! points: only the operator can create one, and Debian's own `/usr/lib/ipxe/ipxe.efi` is a link
 //! to `/boot/ipxe.efi`.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use async_tftp::packet;
 use async_tftp::server::{Handler, TftpServerBuilder};
 
 use super::artifacts::check_relative_path;
+use super::budget::{ClientSlots, Slot};
 
 /// Longest file name accepted (TFTP has no limit of its own; firmware never needs more).
 pub const MAX_NAME: usize = 255;
@@ -94,52 +94,10 @@ impl Default for TftpLimits {
     }
 }
 
-/// Transfers in flight, in all and per client address.
-#[derive(Debug, Default)]
-pub struct Transfers {
-    per_client: Mutex<HashMap<IpAddr, usize>>,
-}
-
-impl Transfers {
-    pub fn active(&self) -> usize {
-        self.per_client
-            .lock()
-            .map(|m| m.values().sum())
-            .unwrap_or(0)
-    }
-
-    fn take(self: &Arc<Self>, ip: IpAddr, limits: &TftpLimits) -> Option<TransferSlot> {
-        let mut per_client = self.per_client.lock().ok()?;
-        let total: usize = per_client.values().sum();
-        let mine = per_client.entry(ip).or_default();
-        if total >= limits.max_transfers || *mine >= limits.max_per_client {
-            return None;
-        }
-        *mine += 1;
-        Some(TransferSlot(self.clone(), ip))
-    }
-}
-
-/// Held by a transfer's reader: the slot frees when the transfer ends, however it ends.
-struct TransferSlot(Arc<Transfers>, IpAddr);
-
-impl Drop for TransferSlot {
-    fn drop(&mut self) {
-        if let Ok(mut per_client) = self.0.per_client.lock()
-            && let Some(n) = per_client.get_mut(&self.1)
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                per_client.remove(&self.1);
-            }
-        }
-    }
-}
-
 /// A file streamed from a blocking-pool thread through a small buffer, holding its slot.
 pub struct TransferReader {
     file: blocking::Unblock<std::fs::File>,
-    _slot: TransferSlot,
+    _slot: Slot,
 }
 
 impl futures::io::AsyncRead for TransferReader {
@@ -155,7 +113,7 @@ impl futures::io::AsyncRead for TransferReader {
 pub struct ReadOnlyRoot {
     root: PathBuf,
     limits: TftpLimits,
-    transfers: Arc<Transfers>,
+    transfers: Arc<ClientSlots>,
 }
 
 impl ReadOnlyRoot {
@@ -166,8 +124,8 @@ impl ReadOnlyRoot {
     pub fn with_limits(root: &Path, limits: TftpLimits) -> std::io::Result<Self> {
         Ok(Self {
             root: std::fs::canonicalize(root)?,
+            transfers: ClientSlots::new(limits.max_transfers, limits.max_per_client),
             limits,
-            transfers: Arc::default(),
         })
     }
 }
@@ -184,7 +142,7 @@ impl Handler for ReadOnlyRoot {
         let requested = path.to_string_lossy().into_owned();
         // Names come from anyone on the network: cut short, and logged escaped (`?`).
         let shown: String = requested.chars().take(80).collect();
-        let Some(slot) = self.transfers.take(client.ip(), &self.limits) else {
+        let Ok(slot) = self.transfers.take(client.ip()) else {
             tracing::debug!(%client, "TFTP read refused: too many transfers");
             crate::metrics::record_tftp("refused", "busy");
             return Err(packet::Error::Msg("too many transfers, retry".into()));
@@ -247,7 +205,7 @@ impl Handler for ReadOnlyRoot {
 /// A bound TFTP server; `serve` runs it until the process ends.
 pub struct Tftp {
     server: async_tftp::server::TftpServer<ReadOnlyRoot>,
-    transfers: Arc<Transfers>,
+    transfers: Arc<ClientSlots>,
 }
 
 impl Tftp {
@@ -277,7 +235,7 @@ impl Tftp {
     }
 
     /// Transfers in flight now.
-    pub fn transfers(&self) -> Arc<Transfers> {
+    pub fn transfers(&self) -> Arc<ClientSlots> {
         self.transfers.clone()
     }
 
