@@ -121,16 +121,9 @@ impl TokenIndex {
     }
 
     fn note(&self, secret: &Secret, record: &BootRecord) {
-        let Ok(mut inner) = self.inner.lock() else {
-            return;
-        };
-        let key = ObjectRef::from_obj(secret);
-        let hash = token_hash(record.token.expose());
-        let version = secret.resource_version().unwrap_or_default();
-        if let Some((_, old)) = inner.versions.insert(key.clone(), (version, hash)) {
-            inner.by_hash.remove(&old);
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.insert(secret, record);
         }
-        inner.by_hash.insert(hash, key);
     }
 
     fn refresh(&self, store: &Store<Secret>) {
@@ -162,19 +155,28 @@ impl TokenIndex {
         for secret in secrets {
             let key = ObjectRef::from_obj(secret.as_ref());
             let version = secret.resource_version().unwrap_or_default();
-            if versions.get(&key).is_some_and(|(v, _)| *v == version) {
+            if inner.versions.get(&key).is_some_and(|(v, _)| *v == version) {
                 continue;
             }
             self.parsed
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if let Ok(record) = tokens::parse_boot_secret(&secret) {
-                let hash = token_hash(record.token.expose());
-                if let Some((_, old)) = versions.insert(key.clone(), (version, hash)) {
-                    by_hash.remove(&old);
-                }
-                by_hash.insert(hash, key);
+                inner.insert(&secret, &record);
             }
         }
+    }
+}
+
+impl TokenIndexInner {
+    /// Indexes `record`'s token under its Secret, replacing that Secret's previous token.
+    fn insert(&mut self, secret: &Secret, record: &BootRecord) {
+        let key = ObjectRef::from_obj(secret);
+        let hash = token_hash(record.token.expose());
+        let version = secret.resource_version().unwrap_or_default();
+        if let Some((_, old)) = self.versions.insert(key.clone(), (version, hash)) {
+            self.by_hash.remove(&old);
+        }
+        self.by_hash.insert(hash, key);
     }
 }
 

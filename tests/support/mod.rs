@@ -157,19 +157,13 @@ where
 }
 
 /// Polls `check` until it returns Some or `secs` pass; panics with `what` on timeout.
-pub async fn eventually<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, secs: u64, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        if std::time::Instant::now() > deadline {
-            panic!("timed out after {secs}s waiting for {what}");
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    match eventually_or(what, secs, check).await {
+        Some(v) => v,
+        None => panic!("timed out after {secs}s waiting for {what}"),
     }
 }
