@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps control-plane sushy test soak lab lab-down crds deploy lint fmt bench
+.PHONY: all deps control-plane capi sushy test soak lab lab-down crds deploy lint fmt bench
 
 all: test
 
@@ -19,7 +19,7 @@ sushy: deps
 	@hack/sushy-tools.sh
 
 ## test: the whole suite against a real control plane and a real Redfish emulator
-test: deps control-plane sushy
+test: deps control-plane capi sushy
 	@CARGO=$(CARGO) hack/test.sh
 
 ## soak: SIGKILL the manager at random points while five hosts provision (CYCLES=50 for a long run)
@@ -42,9 +42,14 @@ bench:
 crds:
 	$(CARGO) run --quiet -- crds --out-dir crds
 
-## deploy: regenerate deploy/infrastructure-components.yaml from deploy/base (after crds)
+## deploy: regenerate the clusterctl components from deploy/infrastructure and deploy/bootstrap
 deploy: crds control-plane
-	hack/render-components.sh > deploy/infrastructure-components.yaml
+	hack/render-components.sh infrastructure > deploy/infrastructure-components.yaml
+	hack/render-components.sh bootstrap > deploy/bootstrap-components.yaml
+
+## capi: build upstream Cluster API (core, kubeadm bootstrap, clusterctl) from the Go module proxy
+capi: control-plane
+	@hack/capi/build.sh
 
 lint:
 	$(CARGO) fmt --check

@@ -54,14 +54,19 @@ pub struct ManagerArgs {
     #[arg(long)]
     pub check_connection: bool,
     /// Watch only this namespace (empty: all namespaces).
-    #[arg(long, default_value = "")]
+    #[arg(long, env = "METALBOOT_WATCH_NAMESPACE", default_value = "")]
     pub namespace: String,
     /// Reconcile only objects labelled cluster.x-k8s.io/watch-filter=<value> (empty: all).
-    #[arg(long, default_value = "")]
+    #[arg(long, env = "METALBOOT_WATCH_FILTER", default_value = "")]
     pub watch_filter: String,
-    /// Run the standalone Cluster API controllers too (Machine, Cluster status, CloudInitConfig).
-    /// Turn off when upstream Cluster API core runs in the cluster.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// Controller groups to run: `infrastructure` (MetalHost, MetalMachine, MetalCluster and the
+    /// boot service) and/or `bootstrap` (CloudInitConfig). clusterctl installs each as its own
+    /// provider Deployment of this binary.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [ControllerGroup::Infrastructure, ControllerGroup::Bootstrap])]
+    pub controllers: Vec<ControllerGroup>,
+    /// Also run metalboot's own Machine and Cluster-status controllers, for clusters without
+    /// upstream Cluster API core. Off for clusterctl installs, where core runs.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub standalone: bool,
     /// Elect a leader through a Lease so only one replica acts.
     #[arg(long)]
@@ -108,6 +113,13 @@ pub struct ManagerArgs {
     pub deprovision_timeout_seconds: u64,
 }
 
+/// A group of controllers selectable with `--controllers`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ControllerGroup {
+    Infrastructure,
+    Bootstrap,
+}
+
 impl ManagerArgs {
     /// This replica's name in the leader Lease and the User-Agent: $POD_NAME, else host and pid.
     pub fn identity(&self) -> String {
@@ -127,10 +139,19 @@ impl ManagerArgs {
         crate::manager::ManagerOptions {
             namespace: non_empty(&self.namespace),
             watch_filter: non_empty(&self.watch_filter),
-            standalone: self.standalone,
+            controllers: crate::manager::Controllers {
+                infrastructure: self.controllers.contains(&ControllerGroup::Infrastructure),
+                bootstrap: self.controllers.contains(&ControllerGroup::Bootstrap),
+                core: self.standalone,
+            },
             leader_election: self.leader_elect.then(|| crate::leader::LeaseConfig {
                 namespace: self.leader_election_namespace.clone(),
-                name: "metalboot-manager".into(),
+                // The bootstrap provider is a separate process with its own Lease.
+                name: if self.controllers.contains(&ControllerGroup::Infrastructure) {
+                    "metalboot-manager".into()
+                } else {
+                    "metalboot-bootstrap".into()
+                },
                 identity: self.identity(),
                 duration: std::time::Duration::from_secs(self.leader_elect_lease_seconds),
                 grace: std::time::Duration::from_secs(self.leader_elect_grace_seconds),
@@ -306,16 +327,17 @@ fn write_crds(out_dir: Option<&std::path::Path>) -> Result<(), String> {
     let files = crdgen::generated_files().map_err(|e| e.to_string())?;
     let names: Vec<&String> = files.iter().map(|(name, _)| name).collect();
     // Remove generated files whose type is gone, so crds/ mirrors the code exactly.
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.ends_with(".yaml") && !names.contains(&&name) {
-                let _ = std::fs::remove_file(entry.path());
-            }
+    for stale in crdgen::yaml_files_under(dir) {
+        if !names.contains(&&stale) {
+            let _ = std::fs::remove_file(dir.join(stale));
         }
     }
     for (name, content) in &files {
         let path = dir.join(name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
         std::fs::write(&path, content).map_err(|e| format!("writing {}: {e}", path.display()))?;
         println!("wrote {}", path.display());
     }

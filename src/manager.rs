@@ -16,14 +16,47 @@ use crate::controllers::{
 };
 use crate::leader::{self, Leadership, LeaseConfig};
 
+/// The controller groups of one manager process. clusterctl installs the infrastructure and the
+/// bootstrap provider as two Deployments of the same image; standalone mode (no upstream Cluster
+/// API) adds `core`, metalboot's own Machine and Cluster-status controllers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Controllers {
+    /// MetalHost, MetalMachine, MetalCluster and the boot service (HTTP, TFTP).
+    pub infrastructure: bool,
+    /// CloudInitConfig: renders the bootstrap data Secret.
+    pub bootstrap: bool,
+    /// Machine and Cluster status, for clusters without upstream Cluster API core.
+    pub core: bool,
+}
+
+impl Controllers {
+    pub const ALL: Controllers = Controllers {
+        infrastructure: true,
+        bootstrap: true,
+        core: true,
+    };
+    /// The clusterctl infrastructure provider's Deployment.
+    pub const INFRASTRUCTURE: Controllers = Controllers {
+        infrastructure: true,
+        bootstrap: false,
+        core: false,
+    };
+    /// The clusterctl bootstrap provider's Deployment.
+    pub const BOOTSTRAP: Controllers = Controllers {
+        infrastructure: false,
+        bootstrap: true,
+        core: false,
+    };
+}
+
 #[derive(Clone)]
 pub struct ManagerOptions {
     /// Watch only this namespace (all when None).
     pub namespace: Option<String>,
     /// Reconcile only objects labelled `cluster.x-k8s.io/watch-filter=<value>`.
     pub watch_filter: Option<String>,
-    /// Also run the standalone Cluster API controllers (Machine, Cluster status, CloudInitConfig).
-    pub standalone: bool,
+    /// Which controller groups this process runs (one binary, three clusterctl roles).
+    pub controllers: Controllers,
     pub leader_election: Option<LeaseConfig>,
     /// Where the boot service's HTTP side listens.
     pub boot_http: SocketAddr,
@@ -50,7 +83,7 @@ impl Default for ManagerOptions {
         Self {
             namespace: None,
             watch_filter: None,
-            standalone: true,
+            controllers: Controllers::ALL,
             leader_election: None,
             boot_http: SocketAddr::from(([0, 0, 0, 0], 8080)),
             advertise_url: None,
@@ -94,8 +127,8 @@ pub struct RunningManager {
     /// Where TFTP listens, when it runs.
     pub tftp_addr: Option<SocketAddr>,
     pub base_url: String,
-    /// The boot service's state: subscribe to its boot milestones.
-    pub boot: Arc<BootState>,
+    /// The boot service's state (infrastructure controllers only): subscribe to its milestones.
+    pub boot: Option<Arc<BootState>>,
     /// Long-running services: the manager runs while all of them do.
     tasks: Vec<JoinHandle<()>>,
     /// Helpers that finish on their own (store sync); aborted with the manager.
@@ -141,9 +174,10 @@ pub async fn start(
     client: kube::Client,
     opts: ManagerOptions,
 ) -> Result<RunningManager, ManagerError> {
+    let serves_hosts = opts.controllers.infrastructure;
     let base_url = match &opts.advertise_url {
         Some(url) => url.trim_end_matches('/').to_string(),
-        None if opts.boot_http.ip().is_unspecified() => {
+        None if serves_hosts && opts.boot_http.ip().is_unspecified() => {
             return Err(ManagerError::NoAdvertiseAddress(opts.boot_http));
         }
         None => format!("http://{}", opts.boot_http),
@@ -174,6 +208,129 @@ pub async fn start(
         None if opts.boot_http.port() == 0 => format!("http://{boot_addr}"),
         _ => base_url,
     };
+    let namespace = opts.namespace.as_deref();
+    let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
+    let mut running = RunningManager {
+        boot_addr,
+        tftp_addr: None,
+        base_url,
+        boot: None,
+        tasks: Vec::new(),
+        helpers: Vec::new(),
+        leadership,
+    };
+
+    // One watch per kind, shared by every controller and the boot service.
+    let reflectors = (opts.controllers.infrastructure || opts.controllers.core)
+        .then(crate::stores::Reflectors::new);
+    // The standalone Machine controller subscribes to the shared Cluster stream before it runs.
+    let standalone_machines = match &reflectors {
+        Some(reflectors) if opts.controllers.core => {
+            let stores = reflectors.stores();
+            let (triggers, wake) = machine::Triggers::new();
+            let listener = triggers.clone();
+            let machine_ctx = Arc::new(machine::MachineContext {
+                client: client.clone(),
+                events: Events::new(client.clone(), "metalboot-machine"),
+                backoff: Backoff::default(),
+                workloads: Arc::new(machine::Workloads::with_listener(Arc::new(move |node| {
+                    listener.node_changed(node)
+                }))),
+                watch_filter: watch_filter.clone(),
+                clusters: stores.clusters.clone(),
+                triggers,
+                namespace: namespace.map(str::to_string),
+                expectations: Default::default(),
+            });
+            let controller = machine::controller(
+                client.clone(),
+                namespace,
+                reflectors.clusters.subscribe(),
+                wake,
+            );
+            Some((controller, machine_ctx))
+        }
+        _ => None,
+    };
+    match (&reflectors, serves_hosts) {
+        (Some(reflectors), true) => {
+            let app = start_infrastructure(&client, &opts, reflectors, &mut running).await?;
+            let limits = opts.http_limits.clone();
+            tracing::info!(listen = %boot_addr, advertise = %running.base_url, limits = ?limits, "boot HTTP service listening");
+            running.tasks.push(tokio::spawn(async move {
+                if let Err(e) = crate::boot::serve::serve(listener, app, limits).await {
+                    tracing::error!(error = %e, "boot HTTP service stopped");
+                }
+            }));
+        }
+        _ => {
+            // No hosts to serve: the same port answers probes and metrics only.
+            tracing::info!(listen = %boot_addr, "health and metrics listening");
+            let limits = opts.http_limits.clone();
+            running.tasks.push(tokio::spawn(async move {
+                if let Err(e) = crate::boot::serve::serve(listener, health_router(), limits).await {
+                    tracing::error!(error = %e, "health service stopped");
+                }
+            }));
+        }
+    }
+    if let Some(reflectors) = reflectors {
+        reflectors.run(client.clone(), namespace);
+    }
+    if let Some((controller, ctx)) = standalone_machines {
+        // Upstream Cluster API's jobs, for clusters without it: Machines and Cluster status.
+        running
+            .tasks
+            .push(tokio::spawn(machine::run(controller, ctx)));
+        let status_ctx = Arc::new(cluster::StatusContext {
+            client: client.clone(),
+            backoff: Backoff::default(),
+            watch_filter: watch_filter.clone(),
+        });
+        running.tasks.push(tokio::spawn(cluster::run(
+            cluster::controller(client.clone(), namespace),
+            status_ctx,
+        )));
+    }
+    if opts.controllers.bootstrap {
+        let config_ctx = Arc::new(cloudinitconfig::ConfigContext {
+            client: client.clone(),
+            events: Events::new(client.clone(), "metalboot-cloudinitconfig"),
+            backoff: Backoff::default(),
+            watch_filter: watch_filter.clone(),
+        });
+        running.tasks.push(tokio::spawn(cloudinitconfig::run(
+            cloudinitconfig::controller(client.clone(), namespace),
+            config_ctx,
+        )));
+    }
+    tracing::info!(
+        namespace = namespace.unwrap_or("<all>"),
+        controllers = ?opts.controllers,
+        "controllers started"
+    );
+    Ok(running)
+}
+
+/// Probes and metrics for a process that serves no hosts (the bootstrap provider).
+fn health_router() -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ok\n" }))
+        .route("/metrics", get(|| async { crate::metrics::render() }))
+}
+
+/// The infrastructure provider: MetalHost, MetalMachine and MetalCluster controllers, the
+/// janitor, TFTP and the boot service's state. Returns the boot HTTP app for the listener.
+async fn start_infrastructure(
+    client: &kube::Client,
+    opts: &ManagerOptions,
+    reflectors: &crate::stores::Reflectors,
+    running: &mut RunningManager,
+) -> Result<axum::Router, ManagerError> {
+    let namespace = opts.namespace.as_deref();
+    let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
     let tftp = match &opts.tftp {
         Some((addr, root)) => Some(
             crate::boot::tftp::Tftp::bind(*addr, root)
@@ -182,14 +339,8 @@ pub async fn start(
         ),
         None => None,
     };
-    let tftp_addr = tftp.as_ref().and_then(|t| t.local_addr());
-    let namespace = opts.namespace.as_deref();
+    running.tftp_addr = tftp.as_ref().and_then(|t| t.local_addr());
     let connector: Arc<dyn BmcConnector> = Arc::new(RedfishConnector::new(opts.bmc_timeout));
-    let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
-    let mut tasks = Vec::new();
-
-    // One watch per kind, shared by every controller and the boot service.
-    let reflectors = crate::stores::Reflectors::new();
     let stores = reflectors.stores();
     let host_controller = metalhost::controller(
         client.clone(),
@@ -216,7 +367,7 @@ pub async fn start(
     });
     let machine_controller = metalmachine::controller(
         &stores,
-        crate::controllers::Subscriptions::new(&reflectors),
+        crate::controllers::Subscriptions::new(reflectors),
         callbacks,
     );
     let machine_ctx = Arc::new(metalmachine::MachineContext {
@@ -233,39 +384,14 @@ pub async fn start(
         power_requests: Default::default(),
         expectations: Default::default(),
     });
-    let cluster_controller = metalcluster::controller(client.clone(), namespace);
+    let cluster_controller =
+        metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
         hosts: stores.hosts.clone(),
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),
     });
-    // The standalone Machine controller subscribes to the shared Cluster stream before it runs.
-    let mut standalone_machines = opts.standalone.then(|| {
-        let (triggers, wake) = machine::Triggers::new();
-        let listener = triggers.clone();
-        let machine_ctx = Arc::new(machine::MachineContext {
-            client: client.clone(),
-            events: Events::new(client.clone(), "metalboot-machine"),
-            backoff: Backoff::default(),
-            workloads: Arc::new(machine::Workloads::with_listener(Arc::new(move |node| {
-                listener.node_changed(node)
-            }))),
-            watch_filter: watch_filter.clone(),
-            clusters: stores.clusters.clone(),
-            triggers,
-            namespace: namespace.map(str::to_string),
-            expectations: Default::default(),
-        });
-        let controller = machine::controller(
-            client.clone(),
-            namespace,
-            reflectors.clusters.subscribe(),
-            wake,
-        );
-        (controller, machine_ctx)
-    });
-    reflectors.run(client.clone(), namespace);
 
     let state = Arc::new(BootState::new(
         BootStores {
@@ -274,17 +400,19 @@ pub async fn start(
             boot_secrets: stores.boot_secrets.clone(),
         },
         BootConfig {
-            base_url: base_url.clone(),
+            base_url: running.base_url.clone(),
             pin_source_ip: opts.pin_source_ip,
             sentinel_wait_seconds: opts.sentinel_wait.as_secs() as u32,
         },
         client.clone(),
         callback_tx,
     )?);
-    let boot = state.clone();
+    running.boot = Some(state.clone());
     let syncing = state.clone();
-    let helpers = vec![tokio::spawn(async move { syncing.wait_for_stores().await })];
-    let mut router = boot_http::router(state);
+    running
+        .helpers
+        .push(tokio::spawn(async move { syncing.wait_for_stores().await }));
+    let mut router = boot_http::router(state.clone());
     if let Some(dir) = &opts.artifacts_dir {
         router = router.nest(
             "/artifacts",
@@ -292,73 +420,32 @@ pub async fn start(
         );
     }
     let app = router.layer(middleware::from_fn(boot_http::access_log));
-    tracing::info!(listen = %boot_addr, advertise = %base_url, limits = ?opts.http_limits, "boot HTTP service listening");
-    let limits = opts.http_limits.clone();
-    tasks.push(tokio::spawn(async move {
-        if let Err(e) = crate::boot::serve::serve(listener, app, limits).await {
-            tracing::error!(error = %e, "boot HTTP service stopped");
-        }
-    }));
     if let Some(tftp) = tftp {
-        tracing::info!(listen = ?tftp_addr, "boot TFTP service listening");
-        tasks.push(tokio::spawn(async move {
+        tracing::info!(listen = ?running.tftp_addr, "boot TFTP service listening");
+        running.tasks.push(tokio::spawn(async move {
             if let Err(e) = tftp.serve().await {
                 tracing::error!(error = %e, "boot TFTP service stopped");
             }
         }));
     }
-    tasks.push(tokio::spawn(crate::controllers::janitor::run(
-        host_ctx.clone(),
-        machine_ctx.clone(),
-        boot.clone(),
-        opts.janitor_interval,
-    )));
-    tasks.push(tokio::spawn(metalhost::run(host_controller, host_ctx)));
-    tasks.push(tokio::spawn(metalmachine::run(
+    running
+        .tasks
+        .push(tokio::spawn(crate::controllers::janitor::run(
+            host_ctx.clone(),
+            machine_ctx.clone(),
+            state,
+            opts.janitor_interval,
+        )));
+    running
+        .tasks
+        .push(tokio::spawn(metalhost::run(host_controller, host_ctx)));
+    running.tasks.push(tokio::spawn(metalmachine::run(
         machine_controller,
         machine_ctx,
     )));
-    tasks.push(tokio::spawn(metalcluster::run(
+    running.tasks.push(tokio::spawn(metalcluster::run(
         cluster_controller,
         cluster_ctx,
     )));
-    if opts.standalone {
-        // Upstream Cluster API's jobs, for clusters without it: Machines, Cluster status, bootstrap.
-        if let Some((controller, ctx)) = standalone_machines.take() {
-            tasks.push(tokio::spawn(machine::run(controller, ctx)));
-        }
-        let status_ctx = Arc::new(cluster::StatusContext {
-            client: client.clone(),
-            backoff: Backoff::default(),
-            watch_filter: watch_filter.clone(),
-        });
-        tasks.push(tokio::spawn(cluster::run(
-            cluster::controller(client.clone(), namespace),
-            status_ctx,
-        )));
-        let config_ctx = Arc::new(cloudinitconfig::ConfigContext {
-            client: client.clone(),
-            events: Events::new(client.clone(), "metalboot-cloudinitconfig"),
-            backoff: Backoff::default(),
-            watch_filter: watch_filter.clone(),
-        });
-        tasks.push(tokio::spawn(cloudinitconfig::run(
-            cloudinitconfig::controller(client.clone(), namespace),
-            config_ctx,
-        )));
-    }
-    tracing::info!(
-        namespace = namespace.unwrap_or("<all>"),
-        standalone = opts.standalone,
-        "controllers started"
-    );
-    Ok(RunningManager {
-        boot_addr,
-        tftp_addr,
-        base_url,
-        boot,
-        tasks,
-        helpers,
-        leadership,
-    })
+    Ok(app)
 }

@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -59,30 +58,6 @@ async fn install_crds(client: &kube::Client) {
     }
 }
 
-/// clusterctl's variable syntax: `${VAR}` and `${VAR:=default}`; an unset variable without a
-/// default is an error, as clusterctl makes it.
-fn render_variables(text: &str, vars: &BTreeMap<&str, &str>) -> Result<String, String> {
-    let mut out = String::new();
-    let mut rest = text;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let end = rest[start..].find('}').ok_or("unterminated ${")? + start;
-        let expr = &rest[start + 2..end];
-        let (name, default) = match expr.split_once(":=") {
-            Some((n, d)) => (n, Some(d)),
-            None => (expr, None),
-        };
-        match (vars.get(name), default) {
-            (Some(v), _) => out.push_str(v),
-            (None, Some(d)) => out.push_str(d),
-            (None, None) => return Err(format!("variable {name} is not set")),
-        }
-        rest = &rest[end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
-}
-
 fn dry_run_apply(file: &Path) -> String {
     run(kubectl()
         .args([
@@ -95,104 +70,12 @@ fn dry_run_apply(file: &Path) -> String {
         .arg(file))
 }
 
+/// The standalone examples are valid against metalboot's own CRDs (the clusterctl components and
+/// cluster templates are checked with the real clusterctl and upstream core in tests/clusterctl.rs).
 #[tokio::test]
-async fn every_deploy_manifest_and_the_rendered_cluster_template_pass_server_side_dry_run() {
+async fn the_standalone_examples_pass_server_side_dry_run() {
     let ns = support::namespace("deploy").await;
     install_crds(&ns.client).await;
-    // Dry-run does not create the namespace, and the components' objects live in it.
-    run(kubectl().args(["create", "namespace", "metalboot-system"]));
-
-    let out = run(kubectl()
-        .args(["apply", "--server-side", "--dry-run=server", "-k"])
-        .arg(project().join("deploy/base")));
-    assert!(
-        out.contains("deployment.apps/metalboot-manager serverside-applied (server dry run)"),
-        "{out}"
-    );
-    assert!(
-        out.contains("clusterrole.rbac.authorization.k8s.io/metalboot-capi-aggregate"),
-        "{out}"
-    );
-
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let components =
-        std::fs::read_to_string(project().join("deploy/infrastructure-components.yaml"))
-            .expect("components");
-    let rendered = tmp.path().join("components.yaml");
-    std::fs::write(
-        &rendered,
-        render_variables(&components, &BTreeMap::new()).expect("defaults"),
-    )
-    .expect("write");
-    let out = dry_run_apply(&rendered);
-    assert!(out.contains("customresourcedefinition.apiextensions.k8s.io/metalmachines.infrastructure.cluster.x-k8s.io"), "{out}");
-    assert_eq!(
-        components.matches("\nkind: Namespace\n").count(),
-        1,
-        "clusterctl wants exactly one Namespace"
-    );
-
-    // Upstream core is not installed here: a permissive stand-in for its MachineDeployment CRD
-    // lets the dry-run validate everything else in the template for real.
-    let md_crd = json!({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "machinedeployments.cluster.x-k8s.io"},
-        "spec": {"group": "cluster.x-k8s.io", "scope": "Namespaced",
-            "names": {"kind": "MachineDeployment", "plural": "machinedeployments", "singular": "machinedeployment", "listKind": "MachineDeploymentList"},
-            "versions": [{"name": "v1beta2", "served": true, "storage": true,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}
-    });
-    let crds: Api<CustomResourceDefinition> = Api::all(ns.client.clone());
-    crds.create(
-        &PostParams::default(),
-        &serde_json::from_value(md_crd).expect("crd"),
-    )
-    .await
-    .expect("MachineDeployment stand-in");
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        await_condition(
-            crds,
-            "machinedeployments.cluster.x-k8s.io",
-            conditions::is_crd_established(),
-        ),
-    )
-    .await
-    .expect("established")
-    .expect("watch");
-
-    let template =
-        std::fs::read_to_string(project().join("deploy/cluster-template.yaml")).expect("template");
-    let vars = BTreeMap::from([
-        ("CLUSTER_NAME", "c1"),
-        ("NAMESPACE", ns.name.as_str()),
-        ("KUBERNETES_VERSION", "v1.36.3"),
-        ("CONTROL_PLANE_MACHINE_COUNT", "1"),
-        ("WORKER_MACHINE_COUNT", "2"),
-    ]);
-    assert!(
-        render_variables(&template, &BTreeMap::new()).is_err(),
-        "required variables have no defaults"
-    );
-    let rendered = tmp.path().join("cluster.yaml");
-    std::fs::write(
-        &rendered,
-        render_variables(&template, &vars).expect("render"),
-    )
-    .expect("write");
-    let out = dry_run_apply(&rendered);
-    for object in [
-        "cluster.cluster.x-k8s.io/c1",
-        "metalcluster.infrastructure.cluster.x-k8s.io/c1",
-        "metalmachinetemplate.infrastructure.cluster.x-k8s.io/c1-md-0",
-        "cloudinitconfigtemplate.bootstrap.cluster.x-k8s.io/c1-control-plane",
-    ] {
-        assert!(
-            out.contains(object),
-            "{object} missing from dry-run output:\n{out}"
-        );
-    }
-
     for example in std::fs::read_dir(project().join("deploy/examples")).expect("examples") {
         let path = example.expect("entry").path();
         let out = dry_run_apply(&path);
@@ -880,20 +763,22 @@ async fn kubectl_shows_printer_columns_and_explains_fields() {
 }
 
 #[test]
-fn infrastructure_components_are_rendered_from_the_base() {
-    let out = Command::new(project().join("hack/render-components.sh"))
-        .output()
-        .expect("render");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let committed =
-        std::fs::read_to_string(project().join("deploy/infrastructure-components.yaml"))
-            .expect("committed");
-    assert!(
-        committed == String::from_utf8_lossy(&out.stdout),
-        "deploy/infrastructure-components.yaml drifted from deploy/base; run `make deploy`"
-    );
+fn provider_components_are_rendered_from_their_bases() {
+    for provider in ["infrastructure", "bootstrap"] {
+        let out = Command::new(project().join("hack/render-components.sh"))
+            .arg(provider)
+            .output()
+            .expect("render");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let file = format!("deploy/{provider}-components.yaml");
+        let committed = std::fs::read_to_string(project().join(&file)).expect("committed");
+        assert!(
+            committed == String::from_utf8_lossy(&out.stdout),
+            "{file} drifted from deploy/{provider}; run `make deploy`"
+        );
+    }
 }

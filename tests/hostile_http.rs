@@ -223,10 +223,23 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
         .await;
     }
     support::eventually("the boot service sees every attempt", 30, || async {
-        (manager.boot.stores.boot_secrets.state().len() >= ATTEMPTS).then_some(())
+        (manager
+            .boot
+            .as_ref()
+            .expect("boot service")
+            .stores
+            .boot_secrets
+            .state()
+            .len()
+            >= ATTEMPTS)
+            .then_some(())
     })
     .await;
-    let parsed_before = manager.boot.secrets_parsed();
+    let parsed_before = manager
+        .boot
+        .as_ref()
+        .expect("boot service")
+        .secrets_parsed();
     let flooder = reqwest::Client::builder()
         .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)))
         .build()
@@ -243,7 +256,12 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
             refused += usize::from(r.status() == reqwest::StatusCode::NOT_FOUND);
         }
     }
-    let parsed = manager.boot.secrets_parsed() - parsed_before;
+    let parsed = manager
+        .boot
+        .as_ref()
+        .expect("boot service")
+        .secrets_parsed()
+        - parsed_before;
     println!(
         "unknown-token flood: {FLOOD} requests ({refused} answered 404) in {:?} with {ATTEMPTS} \
          attempts in flight; boot Secrets parsed: {parsed} (a scan per request would be {})",

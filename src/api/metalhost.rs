@@ -23,6 +23,9 @@ use super::common::{Condition, conditions_schema};
     doc = "MetalHost is a physical server reachable through its BMC, available to be claimed by a MetalMachine.",
     label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
     label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    // `clusterctl move` moves every MetalHost of the namespace with what it owns (its BMC
+    // credentials Secret): hosts are not owned by a Cluster, yet must follow it.
+    label("clusterctl.cluster.x-k8s.io/move-hierarchy", "true"),
     printcolumn(
         name = "State",
         type_ = "string",

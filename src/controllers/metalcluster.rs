@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::ResourceExt;
 use kube::api::Api;
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
 use kube::runtime::{Controller, watcher};
+use kube::{Resource, ResourceExt};
 
 use crate::api::common::FailureDomain;
 use crate::api::metalcluster::{ClusterInitialization, MetalClusterStatus};
@@ -147,7 +148,20 @@ fn error_policy(mc: Arc<MetalCluster>, error: &ReconcileError, ctx: Arc<ClusterC
     Action::requeue(delay)
 }
 
-pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<MetalCluster> {
+/// Owned by the Cluster of that name (the owner reference core or the Machine controller sets).
+fn owned_by_cluster(mc: &MetalCluster, cluster: &str) -> bool {
+    mc.owner_references().iter().any(|o| {
+        o.kind == "Cluster" && o.api_version.starts_with("cluster.x-k8s.io/") && o.name == cluster
+    })
+}
+
+/// `clusters` is the manager's shared Cluster stream: a Cluster change (un-pause after
+/// `clusterctl move`, a new owner) re-evaluates its MetalCluster at once, not at the resync.
+pub fn controller(
+    client: kube::Client,
+    namespace: Option<&str>,
+    clusters_changes: ReflectHandle<DeserializeGuard<Cluster>>,
+) -> Controller<MetalCluster> {
     let (clusters, hosts): (Api<MetalCluster>, Api<MetalHost>) = match namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -158,15 +172,27 @@ pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<M
     let controller = Controller::new(clusters, watcher::Config::default());
     let store = controller.store();
     // Host labels define the failure domains: a host change re-evaluates its namespace's clusters.
-    controller.watches(hosts, watcher::Config::default(), move |host| {
-        let namespace = host.namespace();
-        store
-            .state()
-            .into_iter()
-            .filter(|c| c.namespace() == namespace)
-            .map(|c| ObjectRef::from_obj(c.as_ref()))
-            .collect::<Vec<_>>()
-    })
+    let by_cluster = store.clone();
+    controller
+        .watches(hosts, watcher::Config::default(), move |host| {
+            let namespace = host.namespace();
+            store
+                .state()
+                .into_iter()
+                .filter(|c| c.namespace() == namespace)
+                .map(|c| ObjectRef::from_obj(c.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .watches_shared_stream(clusters_changes, move |cluster| {
+            let namespace = cluster.meta().namespace.clone();
+            let name = cluster.meta().name.clone().unwrap_or_default();
+            by_cluster
+                .state()
+                .into_iter()
+                .filter(|c| c.namespace() == namespace && owned_by_cluster(c, &name))
+                .map(|c| ObjectRef::from_obj(c.as_ref()))
+                .collect::<Vec<_>>()
+        })
 }
 
 pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {

@@ -267,7 +267,11 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     tracing::info!(hosts = opts.hosts, "lab objects created; provisioning");
 
     // Timings: power-on from the hosts, boot milestones from the boot service, Running from Machines.
-    let mut events = manager.boot.subscribe();
+    let mut events = manager
+        .boot
+        .as_ref()
+        .ok_or_else(|| LabError::Setup("the lab manager runs no boot service".into()))?
+        .subscribe();
     let mut timelines: BTreeMap<String, Timeline> = BTreeMap::new();
     let machines: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
     let metal_machines: Api<crate::api::MetalMachine> = Api::namespaced(client.clone(), NAMESPACE);
