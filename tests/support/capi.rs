@@ -9,6 +9,8 @@
 //! provisioned (its real CRDs are installed; nothing runs pods, so cert-manager itself does not
 //! run and out-of-cluster webhooks get self-signed certificates instead).
 
+#![allow(dead_code)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
