@@ -782,3 +782,54 @@ fn provider_components_are_rendered_from_their_bases() {
         );
     }
 }
+
+/// No container engine runs here, so the image is not built in the suite; what can be checked
+/// without one is: the Dockerfile copies only what exists, runs the binary the Deployments call
+/// with `manager` as their first arg, as the user they require, and the network boot programs it
+/// copies exist in Debian's ipxe package.
+#[test]
+fn dockerfile_matches_the_deployments() {
+    let dockerfile = std::fs::read_to_string(project().join("Dockerfile")).expect("Dockerfile");
+    for line in dockerfile
+        .lines()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from"))
+    {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        for source in &words[1..words.len() - 1] {
+            assert!(
+                project().join(source).exists(),
+                "Dockerfile copies missing {source}"
+            );
+        }
+    }
+    assert!(
+        dockerfile.contains("ENTRYPOINT [\"/metalboot\"]"),
+        "{dockerfile}"
+    );
+    assert!(dockerfile.contains("USER 65532:65532"), "{dockerfile}");
+    for program in ["undionly.kpxe", "ipxe.efi", "snponly.efi"] {
+        assert!(dockerfile.contains(&format!("/usr/lib/ipxe/{program}")));
+        assert!(
+            Path::new("/usr/lib/ipxe").join(program).exists(),
+            "Debian's ipxe package has no {program}"
+        );
+    }
+    for provider in ["infrastructure", "bootstrap"] {
+        let deployment =
+            std::fs::read_to_string(project().join(format!("deploy/{provider}/deployment.yaml")))
+                .expect("deployment");
+        assert!(deployment.contains("runAsUser: 65532"), "{provider}");
+        assert!(deployment.contains("runAsNonRoot: true"), "{provider}");
+        assert!(
+            deployment.contains("            - manager\n"),
+            "{provider}: args start with the subcommand"
+        );
+        assert!(
+            deployment.contains(&format!(
+                "image: ghcr.io/metalboot/metalboot:v{}\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{provider}: the canonical image of this release"
+        );
+    }
+}

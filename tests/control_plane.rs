@@ -172,3 +172,89 @@ fn manager_logs_json_lines_when_asked() {
         "a JSON line carries the server: {stderr}"
     );
 }
+
+/// A CONNECT proxy on loopback that counts the tunnels it opened (to loopback targets only).
+async fn counting_proxy() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let tunnels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = tunnels.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut client = BufReader::new(socket);
+                let mut request = String::new();
+                client.read_line(&mut request).await.ok()?;
+                let target = request
+                    .strip_prefix("CONNECT ")?
+                    .split_whitespace()
+                    .next()?
+                    .to_string();
+                if !target.starts_with("127.0.0.1:") {
+                    return None;
+                }
+                loop {
+                    let mut header = String::new();
+                    client.read_line(&mut header).await.ok()?;
+                    if header.trim().is_empty() {
+                        break;
+                    }
+                }
+                let mut upstream = tokio::net::TcpStream::connect(&target).await.ok()?;
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut client = client.into_inner();
+                client
+                    .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    .await
+                    .ok()?;
+                tokio::io::copy_bidirectional(&mut client, &mut upstream)
+                    .await
+                    .ok()
+            });
+        }
+    });
+    (url, tunnels)
+}
+
+/// Outside a cluster, HTTPS_PROXY is honoured for the apiserver, and NO_PROXY exempts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manager_reaches_the_apiserver_through_https_proxy_unless_no_proxy_covers_it() {
+    let plane = support::control_plane();
+    let (proxy, tunnels) = counting_proxy().await;
+    let check = |proxy: &str, no_proxy: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_metalboot"))
+            .args(["manager", "--check-connection", "--kubeconfig"])
+            .arg(&plane.kubeconfig_path)
+            .env("HTTPS_PROXY", proxy)
+            .env("NO_PROXY", no_proxy)
+            .env_remove("https_proxy")
+            .env_remove("no_proxy")
+            .output()
+            .expect("run metalboot manager")
+    };
+    let proxied = {
+        let proxy = proxy.clone();
+        tokio::task::spawn_blocking(move || check(&proxy, ""))
+    }
+    .await
+    .expect("join");
+    let stderr = String::from_utf8_lossy(&proxied.stderr);
+    assert!(proxied.status.success(), "through the proxy: {stderr}");
+    assert!(
+        tunnels.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the connection went through HTTPS_PROXY"
+    );
+    // A proxy that refuses every connection: only NO_PROXY lets the manager in.
+    let direct = tokio::task::spawn_blocking(move || check("http://127.0.0.1:9", "127.0.0.1"))
+        .await
+        .expect("join");
+    assert!(
+        direct.status.success(),
+        "NO_PROXY covers the apiserver: {}",
+        String::from_utf8_lossy(&direct.stderr)
+    );
+}

@@ -1,0 +1,31 @@
+# The metalboot manager image: one static binary on a distroless base, running as non-root.
+# Both clusterctl providers (infrastructure, bootstrap) run this image; the Deployments select
+# the controllers with --controllers. TFTP on :69 needs NET_BIND_SERVICE, which the
+# infrastructure Deployment adds (and nothing else); the bootstrap Deployment binds no low port.
+#
+#   docker build -t ghcr.io/metalboot/metalboot:v0.1.0 .
+
+ARG RUST_VERSION=1.95
+FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
+# musl for a static binary; Debian's iPXE for the network boot programs TFTP serves.
+RUN rustup target add x86_64-unknown-linux-musl \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends musl-tools ipxe \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src src
+COPY ipxe ipxe
+COPY benches benches
+RUN cargo build --release --locked --target x86_64-unknown-linux-musl --bin metalboot \
+ && install -D target/x86_64-unknown-linux-musl/release/metalboot /out/metalboot \
+ && mkdir -p /out/ipxe \
+ && cp /usr/lib/ipxe/undionly.kpxe /usr/lib/ipxe/ipxe.efi /usr/lib/ipxe/snponly.efi /out/ipxe/
+
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /out/metalboot /metalboot
+# --tftp-root defaults to /usr/lib/ipxe.
+COPY --from=build /out/ipxe/ /usr/lib/ipxe/
+# 65532 is distroless' nonroot user; the Deployments' runAsUser matches.
+USER 65532:65532
+ENTRYPOINT ["/metalboot"]
