@@ -372,6 +372,9 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 },
             };
             let failed = result.as_ref().err().cloned();
+            if failed.is_none() {
+                label_secrets_for_move(&ctx.client, &host).await;
+            }
             let mut status = registration_status(&host, result, &now);
             if failed.is_none() {
                 status = settle(&host, status, consumer, &now);
@@ -498,6 +501,43 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             }
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(d))
+        }
+    }
+}
+
+/// Makes `clusterctl move` carry the host's credentials (and CA) Secret with it: MetalHosts move
+/// as a hierarchy, but a Secret moves only when owned or labelled, and an owner reference would
+/// let the garbage collector delete a Secret shared by hosts once the last of them is gone.
+const CLUSTERCTL_MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
+
+async fn label_secrets_for_move(client: &kube::Client, host: &MetalHost) {
+    let namespace = host.namespace().unwrap_or_default();
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(client.clone(), &namespace);
+    let names = std::iter::once(&host.spec.bmc.credentials_name)
+        .chain(host.spec.bmc.ca_secret_name.as_ref());
+    for name in names {
+        let labelled = match secrets.get_metadata_opt(name).await {
+            Ok(Some(meta)) => meta.labels().contains_key(CLUSTERCTL_MOVE_LABEL),
+            Ok(None) => true,
+            Err(e) => {
+                tracing::debug!(secret = %name, error = %e, "cannot read the Secret's labels");
+                true
+            }
+        };
+        if labelled {
+            continue;
+        }
+        let patch = serde_json::json!({"metadata": {"labels": {CLUSTERCTL_MOVE_LABEL: ""}}});
+        if let Err(e) = secrets
+            .patch_metadata(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+        {
+            tracing::warn!(secret = %name, error = %e, "cannot label the BMC Secret for clusterctl move");
         }
     }
 }

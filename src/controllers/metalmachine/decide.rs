@@ -599,10 +599,18 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
     }
 }
 
+/// Set by `clusterctl move` on each source object just before it deletes it.
+pub const DELETE_FOR_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/delete-for-move";
+
 fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Decision {
     let mm = o.mm.as_ref();
     if !mm.finalizers().iter().any(|f| f == FINALIZER) {
         return Decision::new(draft.done(), Step::Nothing, None);
+    }
+    // `clusterctl move` deletes the source copy after the target copy exists: the machine and
+    // its host live on there. Nothing is deprovisioned or released; only the finalizer goes.
+    if mm.annotations().contains_key(DELETE_FOR_MOVE_ANNOTATION) {
+        return Decision::new(draft.done(), Step::RemoveFinalizer, None);
     }
     // Pause holds deletion too: no BMC call, no release, the finalizer stays.
     let paused = o.cluster.as_ref().is_some_and(|c| c.paused())
@@ -1217,6 +1225,14 @@ mod tests {
                 Step::Nothing,
             ),
             ("paused: deletion waits, no BMC call", paused, Step::Nothing),
+            (
+                "deleted by clusterctl move: the finalizer goes, the host stays as it is",
+                with_mm(deleting(claimed(observed()), 1), |mm| {
+                    mm.metadata.annotations =
+                        Some([(DELETE_FOR_MOVE_ANNOTATION.to_string(), String::new())].into())
+                }),
+                Step::RemoveFinalizer,
+            ),
             (
                 "no host, boot Secret left: delete it",
                 Observed {
