@@ -16,6 +16,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::wait::{await_condition, conditions};
 use metalboot::controlplane::{self, ControlPlane, Lifetime};
@@ -306,4 +307,255 @@ pub fn crds_in(components: &Path) -> Vec<CustomResourceDefinition> {
                 .then(|| serde_yaml::from_value(value).expect("CRD"))
         })
         .collect()
+}
+
+/// A management cluster as clusterctl leaves it, with upstream core actually running: a private
+/// apiserver, `clusterctl init --infrastructure metalboot --bootstrap metalboot`, and the core
+/// manager out of cluster with its webhooks on loopback (self-signed certificate; the webhook
+/// configurations and CRD conversion webhooks clusterctl installed are pointed at it).
+/// metalboot itself is started by the test (in-process), so it can play hosts against it.
+pub struct Management {
+    pub plane: ControlPlane,
+    pub client: kube::Client,
+    pub clusterctl: Clusterctl,
+    core: Option<std::process::Child>,
+    pub core_log: PathBuf,
+    _certs: tempfile::TempDir,
+}
+
+impl Drop for Management {
+    fn drop(&mut self) {
+        if let Some(mut core) = self.core.take() {
+            let _ = core.kill();
+            let _ = core.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Namespaces of the upstream providers whose webhooks run here (core only: no kubeadm objects
+/// are created by these tests, so kubeadm's managers are installed but not run).
+const RUNNING_WEBHOOK_NAMESPACES: &[&str] = &["capi-system"];
+
+impl Management {
+    pub async fn start(name: &str) -> Management {
+        let plane = private_control_plane(name).await;
+        let client = plane.client().await.expect("client");
+        install_cert_manager_crds(&client).await;
+        let clusterctl = Clusterctl::new(&plane.kubeconfig_path);
+        clusterctl.run(
+            &[
+                "init",
+                "--infrastructure",
+                "metalboot",
+                "--bootstrap",
+                "metalboot",
+            ],
+            &[],
+        );
+        let certs = tempfile::tempdir().expect("tempdir");
+        let ca = metalboot::pki::Ca::new("capi-webhooks-test-ca").expect("CA");
+        let serving = ca
+            .issue_server(&["localhost"], &[std::net::IpAddr::from([127, 0, 0, 1])])
+            .expect("serving certificate");
+        std::fs::write(certs.path().join("tls.crt"), &serving.cert_pem).expect("write cert");
+        std::fs::write(certs.path().join("tls.key"), &serving.key_pem).expect("write key");
+        let webhook_port = free_port();
+        point_webhooks_at_loopback(&client, webhook_port, ca.cert_pem().as_bytes()).await;
+
+        let health_port = free_port();
+        let core_log = certs.path().join("capi-manager.log");
+        let core = Command::new(capi_dir().join("bin/capi-manager"))
+            .arg("--kubeconfig")
+            .arg(&plane.kubeconfig_path)
+            .arg(format!("--webhook-port={webhook_port}"))
+            .arg("--webhook-cert-dir")
+            .arg(certs.path())
+            .arg("--diagnostics-address=0")
+            .arg(format!("--health-addr=127.0.0.1:{health_port}"))
+            .env("HTTPS_PROXY", "http://127.0.0.1:9")
+            .env("NO_PROXY", "127.0.0.1,localhost")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&core_log).expect("log"))
+            .spawn()
+            .expect("start the upstream core manager");
+        let mut management = Management {
+            plane,
+            client,
+            clusterctl,
+            core: Some(core),
+            core_log,
+            _certs: certs,
+        };
+        let http = reqwest::Client::new();
+        let ready = format!("http://127.0.0.1:{health_port}/readyz");
+        let mut ready_now = false;
+        for _ in 0..240 {
+            if let Some(core) = management.core.as_mut()
+                && let Ok(Some(status)) = core.try_wait()
+            {
+                panic!(
+                    "the core manager exited ({status}):\n{}",
+                    management.core_log()
+                );
+            }
+            if http
+                .get(&ready)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                ready_now = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(
+            ready_now,
+            "the core manager never became ready:\n{}",
+            management.core_log()
+        );
+        management
+    }
+
+    pub fn core_log(&self) -> String {
+        controlplane::tail(&self.core_log, 60)
+    }
+
+    pub async fn namespace(&self, prefix: &str) -> String {
+        let name = format!("{prefix}-{:06x}", rand::random::<u32>() >> 8);
+        let ns = k8s_openapi::api::core::v1::Namespace {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(self.client.clone())
+            .create(&Default::default(), &ns)
+            .await
+            .expect("namespace");
+        name
+    }
+
+    /// `kubectl apply --server-side` of a YAML stream, as an operator applies a generated cluster.
+    pub fn apply(&self, yaml: &str) -> String {
+        use std::io::Write;
+        let mut child = Command::new(controlplane::default_bin_dir().join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.plane.kubeconfig_path)
+            .args(["apply", "--server-side", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("kubectl");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(yaml.as_bytes())
+            .expect("write");
+        let out = child.wait_with_output().expect("kubectl apply");
+        let text = text_of(&out);
+        assert!(out.status.success(), "kubectl apply failed:\n{text}");
+        text
+    }
+}
+
+/// Every admission and conversion webhook of the running providers, to `https://127.0.0.1:<port>`.
+async fn point_webhooks_at_loopback(client: &kube::Client, port: u16, ca_pem: &[u8]) {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
+    };
+    let repoint = |config: &mut WebhookClientConfig| -> bool {
+        let Some(service) = &config.service else {
+            return false;
+        };
+        if !RUNNING_WEBHOOK_NAMESPACES.contains(&service.namespace.as_str()) {
+            return false;
+        }
+        let path = service.path.clone().unwrap_or_default();
+        *config = WebhookClientConfig {
+            url: Some(format!("https://127.0.0.1:{port}{path}")),
+            ca_bundle: Some(ByteString(ca_pem.to_vec())),
+            service: None,
+        };
+        true
+    };
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    for mut config in mutating
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+    {
+        let changed = config
+            .webhooks
+            .iter_mut()
+            .flatten()
+            .fold(false, |c, w| repoint(&mut w.client_config) || c);
+        if changed {
+            mutating
+                .replace(&config.name_any(), &Default::default(), &config)
+                .await
+                .expect("repoint mutating webhooks");
+        }
+    }
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    for mut config in validating
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+    {
+        let changed = config
+            .webhooks
+            .iter_mut()
+            .flatten()
+            .fold(false, |c, w| repoint(&mut w.client_config) || c);
+        if changed {
+            validating
+                .replace(&config.name_any(), &Default::default(), &config)
+                .await
+                .expect("repoint validating webhooks");
+        }
+    }
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for mut crd in crds
+        .list(&Default::default())
+        .await
+        .expect("list CRDs")
+        .items
+    {
+        let Some(webhook) = crd
+            .spec
+            .conversion
+            .as_mut()
+            .and_then(|c| c.webhook.as_mut())
+            .and_then(|w| w.client_config.as_mut())
+        else {
+            continue;
+        };
+        let Some(service) = &webhook.service else {
+            continue;
+        };
+        if !RUNNING_WEBHOOK_NAMESPACES.contains(&service.namespace.as_str()) {
+            continue;
+        }
+        let path = service.path.clone().unwrap_or_default();
+        webhook.url = Some(format!("https://127.0.0.1:{port}{path}"));
+        webhook.ca_bundle = Some(ByteString(ca_pem.to_vec()));
+        webhook.service = None;
+        crds.replace(&crd.name_any(), &Default::default(), &crd)
+            .await
+            .expect("repoint a conversion webhook");
+    }
 }
