@@ -497,11 +497,10 @@ async fn point_webhooks_at_loopback(client: &kube::Client, port: u16, ca_pem: &[
         .expect("list")
         .items
     {
-        let changed = config
-            .webhooks
-            .iter_mut()
-            .flatten()
-            .fold(false, |c, w| repoint(&mut w.client_config) || c);
+        let mut changed = false;
+        for webhook in config.webhooks.iter_mut().flatten() {
+            changed |= repoint(&mut webhook.client_config);
+        }
         if changed {
             mutating
                 .replace(&config.name_any(), &Default::default(), &config)
@@ -516,11 +515,10 @@ async fn point_webhooks_at_loopback(client: &kube::Client, port: u16, ca_pem: &[
         .expect("list")
         .items
     {
-        let changed = config
-            .webhooks
-            .iter_mut()
-            .flatten()
-            .fold(false, |c, w| repoint(&mut w.client_config) || c);
+        let mut changed = false;
+        for webhook in config.webhooks.iter_mut().flatten() {
+            changed |= repoint(&mut webhook.client_config);
+        }
         if changed {
             validating
                 .replace(&config.name_any(), &Default::default(), &config)
