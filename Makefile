@@ -27,9 +27,12 @@ CYCLES ?= 50
 soak: deps control-plane sushy
 	METALBOOT_SOAK_CYCLES=$(CYCLES) $(CARGO) test --test soak -- --nocapture
 
-## lab: start the local lab and leave it running (`make lab-down` stops it)
-lab: deps control-plane
-	$(CARGO) run --quiet -- lab up
+## lab: start the local lab and leave it running (`make lab-down` stops it). Upstream Cluster API
+## core runs the Machines (installed by clusterctl); `make lab LAB_ARGS=--standalone` uses
+## metalboot's own controllers instead.
+LAB_ARGS ?=
+lab: deps control-plane capi
+	$(CARGO) run --quiet -- lab up $(LAB_ARGS)
 
 lab-down:
 	$(CARGO) run --quiet -- lab down

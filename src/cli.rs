@@ -204,6 +204,10 @@ pub struct LabArgs {
     /// Seconds `lab up` waits for every Machine to be Running.
     #[arg(long, default_value_t = 1500)]
     pub timeout_seconds: u64,
+    /// Run the Machines with metalboot's own standalone controllers instead of upstream Cluster
+    /// API core installed by clusterctl (the default, which needs `make capi`).
+    #[arg(long)]
+    pub standalone: bool,
 }
 
 impl LabArgs {
@@ -213,6 +217,7 @@ impl LabArgs {
             dir: self.dir.clone(),
             memory_mib: self.memory_mib,
             boot_timeout_seconds: self.boot_timeout_seconds,
+            standalone: self.standalone,
         }
     }
 }

@@ -503,7 +503,8 @@ pub fn remove_at_exit(dir: &Path) {
     }
 }
 
-fn spawn(
+/// Starts `command` with its output in `log`; a tied child dies with this process.
+pub fn spawn(
     name: &'static str,
     mut command: Command,
     log: &Path,

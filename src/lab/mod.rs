@@ -3,4 +3,5 @@
 pub mod qemu;
 pub mod relay;
 pub mod up;
+pub mod upstream;
 pub mod vbmc;

@@ -38,6 +38,8 @@ pub struct LabOptions {
     pub memory_mib: u32,
     /// Seconds a lab host may take from power-on to its callback before a power cycle.
     pub boot_timeout_seconds: i32,
+    /// metalboot's standalone controllers run the Machines, instead of upstream core.
+    pub standalone: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +159,30 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     .await?;
     let client = cp.client().await?;
     tracing::info!(server = %cp.server, "lab control plane ready");
-    crate::api::crdgen::install(&client).await?;
+    // Provider mode (the default): clusterctl installs upstream core and metalboot's two
+    // providers from a local repository, and core runs out of process. Standalone mode installs
+    // metalboot's CRDs (with its Cluster and Machine stand-ins) and runs its own controllers.
+    let (_upstream_core, controllers) = if opts.standalone {
+        crate::api::crdgen::install(&client).await?;
+        (None, crate::manager::Controllers::ALL)
+    } else {
+        let upstream_dir = dir.join("upstream");
+        let _ = std::fs::remove_dir_all(&upstream_dir);
+        std::fs::create_dir_all(&upstream_dir).map_err(io("creating the upstream directory"))?;
+        let (release, _, core) =
+            super::upstream::install(&client, &cp.kubeconfig_path, &upstream_dir)
+                .await
+                .map_err(|e| LabError::Setup(e.to_string()))?;
+        tracing::info!(version = %release.version, log = %core.log.display(), "upstream Cluster API core installed by clusterctl and running");
+        (
+            Some(core),
+            crate::manager::Controllers {
+                infrastructure: true,
+                bootstrap: true,
+                core: false,
+            },
+        )
+    };
     let accel = probe_accel(&dir.join("kvm-probe")).await;
     tracing::info!(
         accel = accel.name(),
@@ -175,6 +200,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         client.clone(),
         ManagerOptions {
             namespace: Some(NAMESPACE.into()),
+            controllers,
             boot_http: format!("127.0.0.1:{boot_port}")
                 .parse()
                 .map_err(|e| LabError::Setup(format!("{e}")))?,
@@ -579,9 +605,16 @@ async fn create_objects(
                 "boot": {"kernel": "vmlinuz", "initrds": ["initrd.gz"], "cmdline": "console=ttyS0 panic=10"},
                 "bootTimeoutSeconds": opts.boot_timeout_seconds, "bootRetries": 1},
         })).await?;
+        // The first Machine is the control plane's: upstream core initialises the cluster (and
+        // starts watching its Nodes) once a control-plane Machine has a Node.
+        let labels = if i == 0 {
+            json!({CLUSTER_NAME_LABEL: CLUSTER, "cluster.x-k8s.io/control-plane": ""})
+        } else {
+            json!({CLUSTER_NAME_LABEL: CLUSTER})
+        };
         apply_json(&dynamic("Machine", "cluster.x-k8s.io", "v1beta2", "machines"), json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-            "metadata": {"name": name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
             "spec": {"clusterName": CLUSTER, "version": "v1.36.3",
                 "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "CloudInitConfig", "name": name}},
                 "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachine", "name": name}},
@@ -772,6 +805,7 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
         "--boot-timeout-seconds",
         &opts.boot_timeout_seconds.to_string(),
     ])
+    .args(opts.standalone.then_some("--standalone"))
     .arg("--dir")
     .arg(&opts.dir)
     .stdin(std::process::Stdio::null())
