@@ -1,6 +1,7 @@
 //! The lab end to end, as `make lab` runs it: `metalboot lab up --hosts 2` under TCG provisions two
-//! QEMU hosts through the virtual BMC, the boot service and the standalone controllers; deleting a
-//! Machine powers its host off and frees it; `lab down` leaves nothing running.
+//! QEMU hosts through the virtual BMC, the boot service, metalboot's infrastructure and bootstrap
+//! providers and upstream Cluster API core (installed by clusterctl); deleting a Machine powers its
+//! host off and frees it; `lab down` leaves nothing running.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -196,7 +197,12 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
     }
 
     // Delete one Machine: its host powers off within seconds and becomes Available; its Node goes.
-    let victim = &state.hosts[1];
+    // A worker's: upstream core never deletes the Node of the last control-plane Machine (lab-0).
+    let victim = state
+        .hosts
+        .iter()
+        .find(|h| machine_of_host[&h.name] != "lab-0")
+        .expect("a host running a worker Machine");
     let victim_machine = &machine_of_host[&victim.name];
     let live: std::collections::BTreeMap<String, HostLive> = read_json(&dir.join("hosts.json"));
     let qemu_pid = live
