@@ -170,6 +170,14 @@ pub fn record_event_suppressed(reason: &str) {
         .inc();
 }
 
+/// Events not published because an anonymous request caused them within the interval.
+pub fn events_suppressed(reason: &str) -> u64 {
+    metrics()
+        .events_suppressed
+        .get_or_create(&labels(&[("reason", reason)]))
+        .get()
+}
+
 pub fn http_refused(budget: &str) -> u64 {
     metrics()
         .http_refused
