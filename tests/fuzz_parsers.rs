@@ -2,7 +2,9 @@
 //! every parser that reads input from the network or from objects anyone may write: TFTP file
 //! names, HTTP route parts (MAC, token paths, artifact paths), the callback body, the boot Secret,
 //! Redfish addresses and error bodies. Each must answer every input without panicking, and what
-//! it accepts must satisfy its invariant. Cases per target: `METALBOOT_FUZZ_CASES` (default 10000).
+//! it accepts must satisfy its invariant. Each target runs for a fixed time,
+//! `METALBOOT_FUZZ_SECONDS` (default 5 s; `make test` and CI use the default), and prints how many
+//! cases it tried.
 
 use std::collections::BTreeMap;
 
@@ -10,16 +12,37 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use proptest::prelude::*;
 
-fn config() -> ProptestConfig {
-    let cases = std::env::var("METALBOOT_FUZZ_CASES")
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(10_000);
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
+/// Runs `check` on values from `strategy` until the time budget is spent; panics with the
+/// minimal failing input proptest shrinks to.
+fn fuzz<S: Strategy>(
+    target: &str,
+    strategy: S,
+    check: impl Fn(S::Value) -> Result<(), TestCaseError>,
+) where
+    S::Value: std::fmt::Debug,
+{
+    let budget = std::time::Duration::from_secs(
+        std::env::var("METALBOOT_FUZZ_SECONDS")
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(5),
+    );
+    const BATCH: u32 = 256;
+    let started = std::time::Instant::now();
+    let mut cases = 0u64;
+    while started.elapsed() < budget {
+        // A runner runs its cases once; each batch gets a fresh runner with a fresh random seed.
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: BATCH,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        });
+        if let Err(e) = runner.run(&strategy, &check) {
+            panic!("{target}: {e}");
+        }
+        cases += u64::from(BATCH);
     }
+    println!("fuzz {target}: {cases} cases in {budget:?}, no failure");
 }
 
 /// Strings a hostile client would try: path pieces, separators, dots, NULs, unicode.
@@ -45,101 +68,153 @@ fn hostile_text() -> impl Strategy<Value = String> {
     ]
 }
 
-proptest! {
-    #![proptest_config(config())]
+#[test]
+fn tftp_names_resolve_inside_the_root_or_are_refused() {
+    fuzz(
+        "tftp_names_resolve_inside_the_root_or_are_refused",
+        hostile_text(),
+        |name| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let root = std::fs::canonicalize(dir.path()).expect("root");
+            std::fs::write(root.join("undionly.kpxe"), b"x").expect("file");
+            if let Ok(file) = metalboot::boot::tftp::resolve(&root, &name) {
+                prop_assert!(file.starts_with(&root), "{name:?} resolved to {file:?}");
+            }
+            Ok(())
+        },
+    );
+}
 
-    #[test]
-    fn tftp_names_resolve_inside_the_root_or_are_refused(name in hostile_text()) {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let root = std::fs::canonicalize(dir.path()).expect("root");
-        std::fs::write(root.join("undionly.kpxe"), b"x").expect("file");
-        if let Ok(file) = metalboot::boot::tftp::resolve(&root, &name) {
-            prop_assert!(file.starts_with(&root), "{name:?} resolved to {file:?}");
-        }
-    }
-
-    #[test]
-    fn artifact_paths_never_climb(path in hostile_text()) {
+#[test]
+fn artifact_paths_never_climb() {
+    fuzz("artifact_paths_never_climb", hostile_text(), |path| {
         if metalboot::boot::artifacts::check_relative_path(&path).is_ok() {
-            prop_assert!(!path.split('/').any(|s| s == ".." || s.is_empty()), "{path:?}");
+            prop_assert!(
+                !path.split('/').any(|s| s == ".." || s.is_empty()),
+                "{path:?}"
+            );
             prop_assert!(!path.starts_with('/') && !path.contains('\\'), "{path:?}");
         }
-    }
+        Ok(())
+    });
+}
 
-    #[test]
-    fn macs_normalize_to_one_canonical_form(raw in prop_oneof![
-        any::<String>(),
-        "[0-9a-fA-F]{2}([-:][0-9a-fA-F]{2}){5}",
-        "[0-9a-fA-F]{12}",
-    ]) {
-        if let Some(mac) = metalboot::boot::ipxe::normalize_mac(&raw) {
-            prop_assert_eq!(mac.len(), 17);
-            prop_assert!(mac.chars().enumerate().all(|(i, c)| if i % 3 == 2 { c == ':' } else { c.is_ascii_hexdigit() && !c.is_ascii_uppercase() }), "{}", mac);
-            prop_assert_eq!(metalboot::boot::ipxe::normalize_mac(&mac), Some(mac.clone()), "idempotent");
-        }
-    }
+#[test]
+fn macs_normalize_to_one_canonical_form() {
+    fuzz(
+        "macs_normalize_to_one_canonical_form",
+        prop_oneof![
+            any::<String>(),
+            "[0-9a-fA-F]{2}([-:][0-9a-fA-F]{2}){5}",
+            "[0-9a-fA-F]{12}",
+        ],
+        |raw| {
+            if let Some(mac) = metalboot::boot::ipxe::normalize_mac(&raw) {
+                prop_assert_eq!(mac.len(), 17);
+                prop_assert!(
+                    mac.chars().enumerate().all(|(i, c)| if i % 3 == 2 {
+                        c == ':'
+                    } else {
+                        c.is_ascii_hexdigit() && !c.is_ascii_uppercase()
+                    }),
+                    "{}",
+                    mac
+                );
+                prop_assert_eq!(
+                    metalboot::boot::ipxe::normalize_mac(&mac),
+                    Some(mac.clone()),
+                    "idempotent"
+                );
+            }
+            Ok(())
+        },
+    );
+}
 
-    #[test]
-    fn logged_paths_are_bounded_and_carry_no_token(
-        prefix in hostile_text(),
-        token in "[0-9a-f]{64}",
-        suffix in hostile_text(),
-    ) {
-        for path in [
-            format!("{prefix}/nocloud/{token}/{suffix}"),
-            format!("/nocloud//{token}{suffix}"),
-            format!("{prefix}/callback/{token}"),
-            format!("/{token}"),
-        ] {
-            let logged = metalboot::boot::http::redact_path(&path);
-            prop_assert!(!logged.contains(&token[..24]), "{path:?} logged as {logged:?}");
-            prop_assert!(logged.chars().count() <= 513);
-        }
-    }
+#[test]
+fn logged_paths_are_bounded_and_carry_no_token() {
+    fuzz(
+        "logged_paths_are_bounded_and_carry_no_token",
+        (hostile_text(), "[0-9a-f]{64}", hostile_text()),
+        |(prefix, token, suffix)| {
+            for path in [
+                format!("{prefix}/nocloud/{token}/{suffix}"),
+                format!("/nocloud//{token}{suffix}"),
+                format!("{prefix}/callback/{token}"),
+                format!("/{token}"),
+            ] {
+                let logged = metalboot::boot::http::redact_path(&path);
+                prop_assert!(
+                    !logged.contains(&token[..24]),
+                    "{path:?} logged as {logged:?}"
+                );
+                prop_assert!(logged.chars().count() <= 513);
+            }
+            Ok(())
+        },
+    );
+}
 
-    #[test]
-    fn callback_bodies_are_parsed_within_their_caps(body in prop_oneof![
+#[test]
+fn callback_bodies_are_parsed_within_their_caps() {
+    fuzz("callback_bodies_are_parsed_within_their_caps", prop_oneof![
         proptest::collection::vec(any::<u8>(), 0..20_000),
         any::<String>().prop_map(String::into_bytes),
         ("[a-z-]{0,70}", proptest::collection::vec("[0-9.:a-fA-F]{0,40}", 0..80)).prop_map(|(h, addrs)| {
             serde_json::json!({"hostname": h, "addresses": addrs.iter().map(|a| serde_json::json!({"type": "InternalIP", "address": a})).collect::<Vec<_>>()}).to_string().into_bytes()
         }),
-    ]) {
-        if let Ok((hostname, addresses)) = metalboot::boot::nocloud::parse_callback(&body) {
-            prop_assert!(body.len() <= metalboot::boot::nocloud::MAX_CALLBACK_BYTES);
-            prop_assert!(addresses.len() <= 64);
-            prop_assert!(hostname.is_none_or(|h| h.len() <= 253));
-        }
-    }
+    ], |body| {
+            if let Ok((hostname, addresses)) = metalboot::boot::nocloud::parse_callback(&body) {
+                prop_assert!(body.len() <= metalboot::boot::nocloud::MAX_CALLBACK_BYTES);
+                prop_assert!(addresses.len() <= 64);
+                prop_assert!(hostname.is_none_or(|h| h.len() <= 253));
+            }
+        Ok(())
+    });
+}
 
-    #[test]
-    fn boot_secrets_of_any_shape_parse_or_are_refused(
-        labels in proptest::collection::btree_map("[a-z./-]{1,40}", any::<String>(), 0..6),
-        annotations in proptest::collection::btree_map("[a-z./-]{1,40}", any::<String>(), 0..6),
-        data in proptest::collection::btree_map("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..256), 0..6),
-    ) {
-        let mut secret = Secret::default();
-        secret.metadata.name = Some("m1-boot".into());
-        secret.metadata.namespace = Some("ns".into());
-        secret.metadata.labels = Some(labels);
-        secret.metadata.annotations = Some(annotations);
-        secret.data = Some(data.into_iter().map(|(k, v)| (k, ByteString(v))).collect::<BTreeMap<_, _>>());
-        let _ = metalboot::boot::tokens::parse_boot_secret(&secret);
-    }
+#[test]
+fn boot_secrets_of_any_shape_parse_or_are_refused() {
+    fuzz(
+        "boot_secrets_of_any_shape_parse_or_are_refused",
+        (
+            proptest::collection::btree_map("[a-z./-]{1,40}", any::<String>(), 0..6),
+            proptest::collection::btree_map("[a-z./-]{1,40}", any::<String>(), 0..6),
+            proptest::collection::btree_map(
+                "[a-z-]{1,20}",
+                proptest::collection::vec(any::<u8>(), 0..256),
+                0..6,
+            ),
+        ),
+        |(labels, annotations, data)| {
+            let mut secret = Secret::default();
+            secret.metadata.name = Some("m1-boot".into());
+            secret.metadata.namespace = Some("ns".into());
+            secret.metadata.labels = Some(labels);
+            secret.metadata.annotations = Some(annotations);
+            secret.data = Some(
+                data.into_iter()
+                    .map(|(k, v)| (k, ByteString(v)))
+                    .collect::<BTreeMap<_, _>>(),
+            );
+            let _ = metalboot::boot::tokens::parse_boot_secret(&secret);
+            Ok(())
+        },
+    );
+}
 
-    #[test]
-    fn redfish_addresses_and_error_bodies_never_panic(
-        address in prop_oneof![any::<String>(), "(redfish|redfish\\+http|idrac-redfish|https?)://[a-z0-9.:\\[\\]]{0,30}(/[a-zA-Z0-9._-]{0,20}){0,6}"],
-        body in prop_oneof![
+#[test]
+fn redfish_addresses_and_error_bodies_never_panic() {
+    fuzz("redfish_addresses_and_error_bodies_never_panic", (prop_oneof![any::<String>(), "(redfish|redfish\\+http|idrac-redfish|https?)://[a-z0-9.:\\[\\]]{0,30}(/[a-zA-Z0-9._-]{0,20}){0,6}"], prop_oneof![
             proptest::collection::vec(any::<u8>(), 0..4096),
             any::<String>().prop_map(|m| serde_json::json!({"error": {"message": m, "@Message.ExtendedInfo": [{"Message": m}]}}).to_string().into_bytes()),
-        ],
-    ) {
-        if let Ok(parsed) = metalboot::bmc::redfish::parse_address(&address) {
-            let _ = format!("{parsed:?}");
-        }
-        for message in metalboot::bmc::redfish::redfish_messages(&body) {
-            prop_assert!(message.len() <= 64 * 1024);
-        }
-    }
+        ]), |(address, body)| {
+            if let Ok(parsed) = metalboot::bmc::redfish::parse_address(&address) {
+                let _ = format!("{parsed:?}");
+            }
+            for message in metalboot::bmc::redfish::redfish_messages(&body) {
+                prop_assert!(message.len() <= 64 * 1024);
+            }
+        Ok(())
+    });
 }
