@@ -218,3 +218,42 @@ fn redfish_addresses_and_error_bodies_never_panic() {
         Ok(())
     });
 }
+
+#[test]
+fn tftp_packets_decode_or_are_ignored() {
+    use metalboot::boot::tftp::wire;
+    fuzz(
+        "tftp_packets_decode_or_are_ignored",
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..600),
+            (
+                0u8..8,
+                hostile_text(),
+                "[a-zA-Z]{0,8}",
+                proptest::collection::vec(("[a-zA-Z]{0,10}", "[0-9]{0,6}"), 0..20)
+            )
+                .prop_map(|(op, name, mode, opts)| {
+                    let mut p = vec![0, op];
+                    for field in [name, mode]
+                        .into_iter()
+                        .chain(opts.into_iter().flat_map(|(k, v)| [k, v]))
+                    {
+                        p.extend_from_slice(field.as_bytes());
+                        p.push(0);
+                    }
+                    p
+                }),
+        ],
+        |packet| {
+            if let Some(wire::Request::Read { name, options, .. }) = wire::parse_request(&packet) {
+                prop_assert!(name.len() < packet.len());
+                prop_assert!(options.len() <= 16);
+                let (block, accepted) = metalboot::boot::tftp::negotiate(&options, 1468, 1 << 20);
+                prop_assert!((8..=1468).contains(&block) || block == 512);
+                prop_assert!(accepted.len() <= options.len());
+            }
+            let _ = wire::parse_client_packet(&packet);
+            Ok(())
+        },
+    );
+}

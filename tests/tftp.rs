@@ -308,3 +308,135 @@ async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() 
     );
     assert!(std::fs::read(&out).expect("downloaded") == original());
 }
+
+/// A minimal client on `socket`: RRQ with blksize 1468, ACKs every block from the transfer's
+/// port, returns the file. Packets from any other port are ignored, as RFC 1350 asks.
+fn fetch_on(socket: &UdpSocket, addr: SocketAddr, name: &str) -> (Vec<u8>, Vec<SocketAddr>) {
+    let mut rrq = request(1, name);
+    rrq.extend_from_slice(b"blksize\x001468\x00");
+    socket.send_to(&rrq, addr).expect("send RRQ");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut file = Vec::new();
+    let mut server: Option<SocketAddr> = None;
+    let mut strays = Vec::new();
+    let mut buf = [0u8; 2048];
+    loop {
+        let (n, from) = socket.recv_from(&mut buf).expect("a packet within 10 s");
+        if server.is_some_and(|s| s != from) {
+            strays.push(from);
+            continue;
+        }
+        match buf[1] {
+            6 => {
+                server = Some(from);
+                socket.send_to(&[0, 4, 0, 0], from).expect("ACK 0");
+            }
+            3 => {
+                server = Some(from);
+                file.extend_from_slice(&buf[4..n]);
+                socket.send_to(&[0, 4, buf[2], buf[3]], from).expect("ACK");
+                if n - 4 < 1468 {
+                    return (file, strays);
+                }
+            }
+            other => panic!("unexpected packet type {other}: {:?}", &buf[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_client_error_ends_its_transfer_at_once() {
+    let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
+        .await
+        .expect("bind TFTP");
+    let addr = server.local_addr().expect("address");
+    let transfers = server.transfers();
+    tokio::spawn(server.serve());
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("udp");
+    let first = tokio::task::spawn_blocking({
+        let socket = socket.try_clone().expect("clone");
+        move || {
+            socket
+                .send_to(&request(1, "undionly.kpxe"), addr)
+                .expect("RRQ");
+            socket
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
+            let mut buf = [0u8; 2048];
+            let (n, from) = socket.recv_from(&mut buf).expect("DATA 1");
+            (buf[..n].to_vec(), from)
+        }
+    })
+    .await
+    .expect("task");
+    assert_eq!(first.0[..4], [0, 3, 0, 1], "DATA block 1");
+    assert_eq!(transfers.active(), 1);
+    let sent = std::time::Instant::now();
+    socket
+        .send_to(b"\x00\x05\x00\x00cancelled by the user\x00", first.1)
+        .expect("ERROR");
+    support_wait(|| transfers.active() == 0).await;
+    println!(
+        "TFTP: a client's ERROR ended its transfer {:?} after it was sent",
+        sent.elapsed()
+    );
+    // The 3 s ACK timeout would be the only other way out: the ERROR ended it well before.
+    assert!(sent.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test]
+async fn a_request_spoofed_from_a_clients_address_does_not_hold_that_client_off() {
+    let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
+        .await
+        .expect("bind TFTP");
+    let addr = server.local_addr().expect("address");
+    let transfers = server.transfers();
+    tokio::spawn(server.serve());
+    let client = UdpSocket::bind("127.0.0.1:0").expect("udp");
+    // The attacker's request carries the client's ip:port; the server answers the client, who
+    // did not ask and does not acknowledge.
+    let spoofed = client.try_clone().expect("clone");
+    spoofed
+        .send_to(&request(1, "ipxe.efi"), addr)
+        .expect("spoofed RRQ");
+    support_wait(|| transfers.active() == 1).await;
+    // The one packet the spoofed transfer sent has arrived; it sends nothing more unacknowledged.
+    client
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let mut buf = [0u8; 2048];
+    let (_, spoofed_tid) = client
+        .recv_from(&mut buf)
+        .expect("the spoofed transfer's DATA 1");
+    // The client's own request, from the same ip:port, is served at once, byte for byte.
+    let (fetched, strays) =
+        tokio::task::spawn_blocking(move || fetch_on(&client, addr, "undionly.kpxe"))
+            .await
+            .expect("fetch");
+    assert!(
+        fetched == original(),
+        "the client got its file while the spoofed transfer was open"
+    );
+    assert!(
+        !strays.contains(&spoofed_tid),
+        "the unacknowledged transfer sent nothing more: {strays:?}"
+    );
+    assert_eq!(
+        transfers.active(),
+        1,
+        "only the spoofed transfer is still open"
+    );
+}
+
+/// Polls `done` every 10 ms for up to 10 s.
+async fn support_wait(done: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition not reached within 10 s");
+}

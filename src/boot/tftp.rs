@@ -1,20 +1,26 @@
 //! TFTP for the first stage of network boot: a read-only root of iPXE binaries (BIOS
 //! `undionly.kpxe`, UEFI `ipxe.efi`/`snponly.efi`, arm64 `snp.efi`; Debian's `/usr/lib/ipxe` by
-//! default). blksize and tsize are negotiated by async-tftp; this handler decides what may be read:
-//! plain relative names only (one leading `/` is tolerated, as some firmware sends it), no directory
-//! that resolves outside the root, no writes. A *file* symlink in the root is followed wherever it
-//! points: only the operator can create one, and Debian's own `/usr/lib/ipxe/ipxe.efi` is a link
-//! to `/boot/ipxe.efi`.
+//! default). What may be read: plain relative names only (one leading `/` is tolerated, as some
+//! firmware sends it), no directory that resolves outside the root, no writes. A *file* symlink in
+//! the root is followed wherever it points: only the operator can create one, and Debian's own
+//! `/usr/lib/ipxe/ipxe.efi` is a link to `/boot/ipxe.efi`.
+//!
+//! The server is our own (RFC 1350 with the blksize and tsize options of RFC 2347–2349), because
+//! `async-tftp` could not be made to end a transfer on the client's ERROR packet, kept one transfer
+//! per client address (so a request spoofed from a client's ip:port held that client off), and
+//! resent blocks to an address that had never acknowledged one. Here each request is a transfer of
+//! its own on its own port; a transfer resends only after its client acknowledged something, so an
+//! unconfirmed (possibly spoofed) address gets one packet per request and is dropped after one
+//! timeout; a client's ERROR ends its transfer at once; memory per transfer is one block and the
+//! read buffer, whatever the file size.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use async_tftp::packet;
-use async_tftp::server::{Handler, TftpServerBuilder};
+use tokio::io::{AsyncReadExt, BufReader};
+use tokio::net::UdpSocket;
 
 use super::artifacts::check_relative_path;
 use super::budget::{ClientSlots, Slot};
@@ -67,15 +73,13 @@ pub struct TftpLimits {
     pub max_transfers: usize,
     /// Transfers at once per client address.
     pub max_per_client: usize,
-    /// Wait for an ACK before resending; the client's own `timeout` option is ignored.
+    /// Wait for an ACK before resending; the client's own `timeout` option is not acknowledged.
     pub timeout: Duration,
-    /// Resends before an unacknowledged transfer is dropped (reclaimed after about
-    /// `timeout × (retries + 1)`).
+    /// Resends of a block, once the client has acknowledged one (a transfer whose first packet
+    /// is never acknowledged ends after one `timeout`).
     pub retries: u32,
     /// Largest block offered (iPXE and firmware ask for 1432–1468).
     pub block_size: u16,
-    /// Blocks in flight before an ACK (1: a spoofed request gets one block, no more).
-    pub window: u16,
     /// Read-ahead per transfer: the memory a transfer holds, whatever the file size.
     pub read_buffer: usize,
 }
@@ -88,123 +92,163 @@ impl Default for TftpLimits {
             timeout: Duration::from_secs(3),
             retries: 3,
             block_size: 1468,
-            window: 1,
             read_buffer: 16 * 1024,
         }
     }
 }
 
-/// A file streamed from a blocking-pool thread through a small buffer, holding its slot.
-pub struct TransferReader {
-    file: blocking::Unblock<std::fs::File>,
-    _slot: Slot,
-}
+/// The TFTP wire format (RFC 1350, options per RFC 2347): pure, so every parser is unit-tested
+/// and fuzzed.
+pub mod wire {
+    pub const RRQ: u16 = 1;
+    pub const WRQ: u16 = 2;
+    pub const DATA: u16 = 3;
+    pub const ACK: u16 = 4;
+    pub const ERROR: u16 = 5;
+    pub const OACK: u16 = 6;
 
-impl futures::io::AsyncRead for TransferReader {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut [u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.file).poll_read(cx, buf)
+    /// Error codes of RFC 1350 used here.
+    pub const NOT_DEFINED: u16 = 0;
+    pub const FILE_NOT_FOUND: u16 = 1;
+    pub const ACCESS_VIOLATION: u16 = 2;
+    pub const ILLEGAL_OPERATION: u16 = 4;
+
+    /// A request to the server's well-known port.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Request {
+        Read {
+            name: String,
+            mode: String,
+            /// Option names lower-cased, in the order sent.
+            options: Vec<(String, String)>,
+        },
+        Write,
     }
-}
 
-pub struct ReadOnlyRoot {
-    root: PathBuf,
-    limits: TftpLimits,
-    transfers: Arc<ClientSlots>,
-}
-
-impl ReadOnlyRoot {
-    pub fn new(root: &Path) -> std::io::Result<Self> {
-        Self::with_limits(root, TftpLimits::default())
+    /// What a client sends during a transfer.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum ClientPacket {
+        Ack(u16),
+        Error(u16, String),
+        Other,
     }
 
-    pub fn with_limits(root: &Path, limits: TftpLimits) -> std::io::Result<Self> {
-        Ok(Self {
-            root: std::fs::canonicalize(root)?,
-            transfers: ClientSlots::new(limits.max_transfers, limits.max_per_client),
-            limits,
-        })
+    fn opcode(packet: &[u8]) -> Option<u16> {
+        Some(u16::from_be_bytes([*packet.first()?, *packet.get(1)?]))
     }
-}
 
-impl Handler for ReadOnlyRoot {
-    type Reader = TransferReader;
-    type Writer = futures::io::Sink;
-
-    async fn read_req_open(
-        &mut self,
-        client: &SocketAddr,
-        path: &Path,
-    ) -> Result<(Self::Reader, Option<u64>), packet::Error> {
-        let requested = path.to_string_lossy().into_owned();
-        // Names come from anyone on the network: cut short, and logged escaped (`?`).
-        let shown: String = requested.chars().take(80).collect();
-        let Ok(slot) = self.transfers.take(client.ip()) else {
-            tracing::debug!(%client, "TFTP read refused: too many transfers");
-            crate::metrics::record_tftp("refused", "busy");
-            return Err(packet::Error::Msg("too many transfers, retry".into()));
-        };
-        match resolve(&self.root, &requested) {
-            Ok(file) => {
-                let opened = blocking::unblock(move || {
-                    let f = std::fs::File::open(file)?;
-                    let size = f.metadata()?.len();
-                    Ok::<_, std::io::Error>((f, size))
-                })
-                .await;
-                match opened {
-                    Ok((f, size)) => {
-                        // Resolved names are plain relative paths inside the root: safe as labels.
-                        let name = shown.trim_start_matches('/');
-                        tracing::info!(%client, file = %name, bytes = size, "TFTP read");
-                        crate::metrics::record_tftp(name, "served");
-                        // Streamed through a small buffer; the file is never held in memory.
-                        let file = blocking::Unblock::with_capacity(self.limits.read_buffer, f);
-                        Ok((TransferReader { file, _slot: slot }, Some(size)))
-                    }
-                    Err(e) => {
-                        tracing::warn!(%client, file = %shown, error = %e, "TFTP read failed");
-                        crate::metrics::record_tftp(&shown, "error");
-                        Err(packet::Error::UnknownError)
+    /// Parses a request; `None` for anything that is not a well-formed RRQ or WRQ.
+    pub fn parse_request(packet: &[u8]) -> Option<Request> {
+        match opcode(packet)? {
+            WRQ => Some(Request::Write),
+            RRQ => {
+                let body = &packet[2..];
+                // Every field ends with a NUL; the packet ends with the last field's NUL.
+                if body.last() != Some(&0) {
+                    return None;
+                }
+                let mut fields = body[..body.len() - 1]
+                    .split(|b| *b == 0)
+                    .map(|f| std::str::from_utf8(f).ok().map(str::to_string));
+                let name = fields.next()??;
+                let mode = fields.next()??.to_ascii_lowercase();
+                let mut options = Vec::new();
+                loop {
+                    match (fields.next(), fields.next()) {
+                        (None, _) => break,
+                        (Some(Some(key)), Some(Some(value))) if options.len() < 16 => {
+                            options.push((key.to_ascii_lowercase(), value))
+                        }
+                        _ => return None,
                     }
                 }
-            }
-            Err(refusal) => {
-                tracing::warn!(%client, file = ?shown, reason = ?refusal, "TFTP read refused");
-                crate::metrics::record_tftp(
-                    "refused",
-                    match refusal {
-                        Refusal::NotFound => "not-found",
-                        _ => "refused",
-                    },
-                );
-                Err(match refusal {
-                    Refusal::NotFound => packet::Error::FileNotFound,
-                    _ => packet::Error::PermissionDenied,
+                Some(Request::Read {
+                    name,
+                    mode,
+                    options,
                 })
             }
+            _ => None,
         }
     }
 
-    async fn write_req_open(
-        &mut self,
-        client: &SocketAddr,
-        path: &Path,
-        _size: Option<u64>,
-    ) -> Result<Self::Writer, packet::Error> {
-        let shown: String = path.to_string_lossy().chars().take(80).collect();
-        tracing::warn!(%client, file = ?shown, "TFTP write refused (read-only)");
-        crate::metrics::record_tftp("write", "refused");
-        Err(packet::Error::PermissionDenied)
+    pub fn parse_client_packet(packet: &[u8]) -> ClientPacket {
+        match opcode(packet) {
+            Some(ACK) if packet.len() >= 4 => {
+                ClientPacket::Ack(u16::from_be_bytes([packet[2], packet[3]]))
+            }
+            Some(ERROR) if packet.len() >= 4 => {
+                let message = packet[4..].split(|b| *b == 0).next().unwrap_or_default();
+                ClientPacket::Error(
+                    u16::from_be_bytes([packet[2], packet[3]]),
+                    String::from_utf8_lossy(&message[..message.len().min(128)]).into_owned(),
+                )
+            }
+            _ => ClientPacket::Other,
+        }
     }
+
+    pub fn data(block: u16, payload: &[u8]) -> Vec<u8> {
+        let mut p = Vec::with_capacity(4 + payload.len());
+        p.extend_from_slice(&DATA.to_be_bytes());
+        p.extend_from_slice(&block.to_be_bytes());
+        p.extend_from_slice(payload);
+        p
+    }
+
+    pub fn error(code: u16, message: &str) -> Vec<u8> {
+        let mut p = Vec::with_capacity(5 + message.len());
+        p.extend_from_slice(&ERROR.to_be_bytes());
+        p.extend_from_slice(&code.to_be_bytes());
+        p.extend_from_slice(message.as_bytes());
+        p.push(0);
+        p
+    }
+
+    pub fn oack(options: &[(String, String)]) -> Vec<u8> {
+        let mut p = OACK.to_be_bytes().to_vec();
+        for (key, value) in options {
+            p.extend_from_slice(key.as_bytes());
+            p.push(0);
+            p.extend_from_slice(value.as_bytes());
+            p.push(0);
+        }
+        p
+    }
+}
+
+/// The options this server acknowledges, and the block size they settle on: blksize (clamped to
+/// the budget), tsize (the file's size). timeout and windowsize are not acknowledged, so the
+/// client keeps RFC 1350's one block in flight and the server's own timeout.
+pub fn negotiate(
+    options: &[(String, String)],
+    limit: u16,
+    file_size: u64,
+) -> (usize, Vec<(String, String)>) {
+    let mut block = 512usize;
+    let mut accepted = Vec::new();
+    for (key, value) in options {
+        match key.as_str() {
+            "blksize" => {
+                if let Ok(asked) = value.parse::<usize>()
+                    && (8..=65464).contains(&asked)
+                {
+                    block = asked.min(usize::from(limit));
+                    accepted.push((key.clone(), block.to_string()));
+                }
+            }
+            "tsize" => accepted.push((key.clone(), file_size.to_string())),
+            _ => {}
+        }
+    }
+    (block, accepted)
 }
 
 /// A bound TFTP server; `serve` runs it until the process ends.
 pub struct Tftp {
-    server: async_tftp::server::TftpServer<ReadOnlyRoot>,
+    socket: Arc<UdpSocket>,
+    root: PathBuf,
+    limits: TftpLimits,
     transfers: Arc<ClientSlots>,
 }
 
@@ -218,20 +262,17 @@ impl Tftp {
         root: &Path,
         limits: TftpLimits,
     ) -> Result<Self, String> {
-        let handler = ReadOnlyRoot::with_limits(root, limits.clone())
+        let root = std::fs::canonicalize(root)
             .map_err(|e| format!("TFTP root {}: {e}", root.display()))?;
-        let transfers = handler.transfers.clone();
-        let server = TftpServerBuilder::with_handler(handler)
-            .bind(addr)
-            .timeout(limits.timeout)
-            .ignore_client_timeout()
-            .max_send_retries(limits.retries)
-            .block_size_limit(limits.block_size)
-            .window_size_limit(limits.window)
-            .build()
+        let socket = UdpSocket::bind(addr)
             .await
             .map_err(|e| format!("binding TFTP to {addr}: {e}"))?;
-        Ok(Self { server, transfers })
+        Ok(Self {
+            socket: Arc::new(socket),
+            root,
+            transfers: ClientSlots::new(limits.max_transfers, limits.max_per_client),
+            limits,
+        })
     }
 
     /// Transfers in flight now.
@@ -240,11 +281,248 @@ impl Tftp {
     }
 
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.server.listen_addr().ok()
+        self.socket.local_addr().ok()
     }
 
     pub async fn serve(self) -> Result<(), String> {
-        self.server.serve().await.map_err(|e| e.to_string())
+        let local_ip = self
+            .socket
+            .local_addr()
+            .map(|a| a.ip())
+            .map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; 2048];
+        loop {
+            let (n, client) = self
+                .socket
+                .recv_from(&mut buf)
+                .await
+                .map_err(|e| format!("TFTP receive: {e}"))?;
+            match wire::parse_request(&buf[..n]) {
+                Some(wire::Request::Read {
+                    name,
+                    mode,
+                    options,
+                }) => {
+                    let Ok(slot) = self.transfers.take(client.ip()) else {
+                        tracing::debug!(%client, "TFTP read refused: too many transfers");
+                        crate::metrics::record_tftp("refused", "busy");
+                        self.reply(
+                            client,
+                            wire::error(wire::NOT_DEFINED, "too many transfers, retry"),
+                        )
+                        .await;
+                        continue;
+                    };
+                    if mode != "octet" {
+                        self.reply(
+                            client,
+                            wire::error(wire::ILLEGAL_OPERATION, "octet mode only"),
+                        )
+                        .await;
+                        continue;
+                    }
+                    let transfer = Transfer {
+                        root: self.root.clone(),
+                        limits: self.limits.clone(),
+                        client,
+                        local_ip,
+                        _slot: slot,
+                    };
+                    tokio::spawn(transfer.run(name, options));
+                }
+                Some(wire::Request::Write) => {
+                    tracing::warn!(%client, "TFTP write refused (read-only)");
+                    crate::metrics::record_tftp("write", "refused");
+                    self.reply(client, wire::error(wire::ACCESS_VIOLATION, "read-only"))
+                        .await;
+                }
+                // Not a request: nothing answered, nothing amplified.
+                None => crate::metrics::record_tftp("malformed", "refused"),
+            }
+        }
+    }
+
+    async fn reply(&self, client: SocketAddr, packet: Vec<u8>) {
+        if let Err(e) = self.socket.send_to(&packet, client).await {
+            tracing::debug!(%client, error = %e, "TFTP reply not sent");
+        }
+    }
+}
+
+/// One read transfer, on a port of its own (its transfer ID), holding its slot until it ends.
+struct Transfer {
+    root: PathBuf,
+    limits: TftpLimits,
+    client: SocketAddr,
+    local_ip: IpAddr,
+    _slot: Slot,
+}
+
+/// How a transfer ended, for the log and the metric.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    Done,
+    /// The client sent an ERROR packet.
+    ClientError,
+    /// No acknowledgement within the budget.
+    Abandoned,
+}
+
+impl Transfer {
+    async fn run(self, requested: String, options: Vec<(String, String)>) {
+        // Names come from anyone on the network: cut short, and logged escaped (`?`).
+        let shown: String = requested.chars().take(80).collect();
+        let socket = match UdpSocket::bind((self.local_ip, 0)).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(client = %self.client, error = %e, "TFTP: no port for a transfer");
+                return;
+            }
+        };
+        let root = self.root.clone();
+        let resolved = tokio::task::spawn_blocking(move || resolve(&root, &requested)).await;
+        let file = match resolved {
+            Ok(Ok(path)) => path,
+            Ok(Err(refusal)) => {
+                tracing::warn!(client = %self.client, file = ?shown, reason = ?refusal, "TFTP read refused");
+                let (code, label) = match refusal {
+                    Refusal::NotFound => (wire::FILE_NOT_FOUND, "not-found"),
+                    _ => (wire::ACCESS_VIOLATION, "refused"),
+                };
+                crate::metrics::record_tftp("refused", label);
+                let _ = socket
+                    .send_to(&wire::error(code, "not available"), self.client)
+                    .await;
+                return;
+            }
+            Err(_) => return,
+        };
+        let opened = match tokio::fs::File::open(&file).await {
+            Ok(f) => match f.metadata().await {
+                Ok(m) => Ok((f, m.len())),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        let (file, size) = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                tracing::warn!(client = %self.client, file = %shown, error = %e, "TFTP read failed");
+                crate::metrics::record_tftp(&shown, "error");
+                let _ = socket
+                    .send_to(&wire::error(wire::NOT_DEFINED, "read failed"), self.client)
+                    .await;
+                return;
+            }
+        };
+        // Resolved names are plain relative paths inside the root: safe as labels.
+        let name = shown.trim_start_matches('/').to_string();
+        tracing::info!(client = %self.client, file = %name, bytes = size, "TFTP read");
+        crate::metrics::record_tftp(&name, "served");
+        let ended = self.send_file(&socket, file, size, &options).await;
+        match ended {
+            Ended::Done => {
+                tracing::debug!(client = %self.client, file = %name, "TFTP transfer done")
+            }
+            Ended::ClientError => {
+                crate::metrics::record_tftp(&name, "client-error");
+                tracing::info!(client = %self.client, file = %name, "TFTP transfer ended by the client's ERROR")
+            }
+            Ended::Abandoned => {
+                crate::metrics::record_tftp(&name, "abandoned");
+                tracing::info!(client = %self.client, file = %name, "TFTP transfer abandoned: no ACK")
+            }
+        }
+    }
+
+    async fn send_file(
+        &self,
+        socket: &UdpSocket,
+        file: tokio::fs::File,
+        size: u64,
+        options: &[(String, String)],
+    ) -> Ended {
+        let (block_size, accepted) = negotiate(options, self.limits.block_size, size);
+        let mut reader = BufReader::with_capacity(self.limits.read_buffer, file);
+        let mut acknowledged_once = false;
+        if !accepted.is_empty() {
+            match self
+                .exchange(socket, &wire::oack(&accepted), 0, acknowledged_once)
+                .await
+            {
+                Ok(()) => acknowledged_once = true,
+                Err(ended) => return ended,
+            }
+        }
+        let mut block: u16 = 1;
+        let mut payload = vec![0u8; block_size];
+        loop {
+            let mut filled = 0;
+            while filled < block_size {
+                match reader.read(&mut payload[filled..]).await {
+                    Ok(0) => break,
+                    Ok(n) => filled += n,
+                    Err(e) => {
+                        tracing::warn!(client = %self.client, error = %e, "TFTP read failed mid-transfer");
+                        let _ = socket
+                            .send_to(&wire::error(wire::NOT_DEFINED, "read failed"), self.client)
+                            .await;
+                        return Ended::Abandoned;
+                    }
+                }
+            }
+            let packet = wire::data(block, &payload[..filled]);
+            if let Err(ended) = self
+                .exchange(socket, &packet, block, acknowledged_once)
+                .await
+            {
+                return ended;
+            }
+            acknowledged_once = true;
+            if filled < block_size {
+                return Ended::Done;
+            }
+            block = block.wrapping_add(1);
+        }
+    }
+
+    /// Sends `packet` and waits for the ACK of `block`, resending on timeout only once the client
+    /// has acknowledged something. Packets from other addresses are ignored, a duplicate ACK is not
+    /// answered (no Sorcerer's Apprentice), an ERROR from the client ends the transfer.
+    async fn exchange(
+        &self,
+        socket: &UdpSocket,
+        packet: &[u8],
+        block: u16,
+        acknowledged_once: bool,
+    ) -> Result<(), Ended> {
+        let sends = if acknowledged_once {
+            self.limits.retries + 1
+        } else {
+            1
+        };
+        let mut buf = [0u8; 1024];
+        for _ in 0..sends {
+            if socket.send_to(packet, self.client).await.is_err() {
+                return Err(Ended::Abandoned);
+            }
+            let deadline = tokio::time::Instant::now() + self.limits.timeout;
+            loop {
+                let received = tokio::time::timeout_at(deadline, socket.recv_from(&mut buf)).await;
+                let Ok(Ok((n, from))) = received else {
+                    break;
+                };
+                if from != self.client {
+                    continue;
+                }
+                match wire::parse_client_packet(&buf[..n]) {
+                    wire::ClientPacket::Ack(acked) if acked == block => return Ok(()),
+                    wire::ClientPacket::Error(..) => return Err(Ended::ClientError),
+                    _ => {}
+                }
+            }
+        }
+        Err(Ended::Abandoned)
     }
 }
 
@@ -293,5 +571,91 @@ mod tests {
         assert_eq!(resolve(&root, "/etc/passwd"), Err(Refusal::OutsideRoot));
         assert_eq!(resolve(&root, "sub"), Err(Refusal::NotFound));
         assert_eq!(resolve(&root, "missing.efi"), Err(Refusal::NotFound));
+    }
+
+    #[test]
+    fn requests_parse_or_are_refused() {
+        use wire::{Request, parse_request};
+        assert_eq!(
+            parse_request(b"\x00\x01undionly.kpxe\x00OCTET\x00BLKSIZE\x001468\x00tsize\x000\x00"),
+            Some(Request::Read {
+                name: "undionly.kpxe".into(),
+                mode: "octet".into(),
+                options: vec![
+                    ("blksize".into(), "1468".into()),
+                    ("tsize".into(), "0".into())
+                ],
+            })
+        );
+        assert_eq!(
+            parse_request(b"\x00\x02x\x00octet\x00"),
+            Some(Request::Write)
+        );
+        for bad in [
+            &b""[..],
+            b"\x00",
+            b"\x00\x01",
+            b"\x00\x01name",
+            b"\x00\x01name\x00",
+            b"\x00\x01name\x00octet\x00blksize\x00",
+            b"\x00\x01\xff\xfe\x00octet\x00",
+            b"\x00\x04\x00\x01",
+        ] {
+            assert_eq!(parse_request(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_blksize_and_tsize_are_acknowledged() {
+        let opts = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(negotiate(&[], 1468, 10), (512, vec![]));
+        assert_eq!(
+            negotiate(
+                &opts(&[
+                    ("blksize", "65464"),
+                    ("tsize", "0"),
+                    ("timeout", "255"),
+                    ("windowsize", "64")
+                ]),
+                1468,
+                67
+            ),
+            (1468, opts(&[("blksize", "1468"), ("tsize", "67")]))
+        );
+        assert_eq!(
+            negotiate(&opts(&[("blksize", "1024")]), 1468, 0),
+            (1024, opts(&[("blksize", "1024")]))
+        );
+        assert_eq!(
+            negotiate(&opts(&[("blksize", "7")]), 1468, 0),
+            (512, vec![])
+        );
+        assert_eq!(
+            negotiate(&opts(&[("blksize", "x")]), 1468, 0),
+            (512, vec![])
+        );
+    }
+
+    #[test]
+    fn client_packets() {
+        use wire::{ClientPacket, parse_client_packet};
+        assert_eq!(
+            parse_client_packet(b"\x00\x04\x01\x02"),
+            ClientPacket::Ack(258)
+        );
+        assert_eq!(
+            parse_client_packet(b"\x00\x05\x00\x05unknown tid\x00"),
+            ClientPacket::Error(5, "unknown tid".into())
+        );
+        assert_eq!(parse_client_packet(b"\x00\x04\x01"), ClientPacket::Other);
+        assert_eq!(
+            parse_client_packet(b"\x00\x03\x00\x01data"),
+            ClientPacket::Other
+        );
     }
 }
