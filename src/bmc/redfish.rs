@@ -260,6 +260,41 @@ impl std::fmt::Debug for RedfishBmc {
     }
 }
 
+/// The most of a BMC reply the driver reads (real service roots and systems are a few KiB).
+pub const MAX_REPLY_BYTES: usize = 4 * 1024 * 1024;
+
+/// `path` resolved against the BMC's origin `base` (`scheme://host:port`): a path, or an absolute
+/// URL on that same origin. Anything else — another scheme, host or port, a scheme-relative
+/// `//host/…`, userinfo — is refused with the reason.
+pub fn confined_url(base: &str, path: &str) -> Result<String, String> {
+    let shown: String = path.chars().take(200).collect();
+    if path.starts_with("//") || path.contains('\\') {
+        return Err(format!(
+            "refused to follow {shown:?}: not a path on the BMC"
+        ));
+    }
+    if path.starts_with('/') {
+        return Ok(format!("{base}{path}"));
+    }
+    let (Ok(origin), Ok(target)) = (Url::parse(base), Url::parse(path)) else {
+        return Err(format!(
+            "refused to follow {shown:?}: not a path on the BMC"
+        ));
+    };
+    let same = target.scheme() == origin.scheme()
+        && target.host_str() == origin.host_str()
+        && target.port_or_known_default() == origin.port_or_known_default()
+        && target.username().is_empty()
+        && target.password().is_none();
+    if same {
+        Ok(target.to_string())
+    } else {
+        Err(format!(
+            "refused to follow {shown:?}: the BMC's reply names another origin than {base}"
+        ))
+    }
+}
+
 impl RedfishBmc {
     /// Build a client. No network I/O happens until the first operation.
     pub fn new(
@@ -272,6 +307,9 @@ impl RedfishBmc {
             .use_rustls_tls()
             .connect_timeout(options.timeout)
             .redirect(reqwest::redirect::Policy::none())
+            // Credentials go to the BMC itself, never through a proxy picked up from the
+            // environment (HTTPS_PROXY is for the apiserver).
+            .no_proxy()
             .user_agent(concat!("metalboot/", env!("CARGO_PKG_VERSION")));
         if let Some(pem) = &options.ca_pem {
             let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(|e| {
@@ -321,12 +359,12 @@ impl RedfishBmc {
         matches!(*self.auth.lock().await, Auth::Session { .. })
     }
 
-    fn url(&self, path: &str) -> String {
-        if path.starts_with("http://") || path.starts_with("https://") {
-            path.to_string()
-        } else {
-            format!("{}{}", self.base, path)
-        }
+    /// The URL of `path` on this BMC. Paths come from the BMC's own replies (links, action
+    /// targets, Locations): an absolute URL is followed only when it names the BMC's own scheme,
+    /// host and port, so a rogue or intercepted reply cannot make the driver send credentials or a
+    /// session token anywhere else.
+    fn url(&self, path: &str) -> Result<String, String> {
+        confined_url(&self.base, path)
     }
 
     fn op(method: &Method, path: &str) -> String {
@@ -349,9 +387,12 @@ impl RedfishBmc {
             operation: operation.clone(),
             detail: "request gate closed".to_string(),
         })?;
+        let url = self
+            .url(path)
+            .map_err(|detail| self.protocol(&operation, detail))?;
         let mut req = self
             .http
-            .request(method.clone(), self.url(path))
+            .request(method.clone(), url)
             .timeout(self.options.timeout)
             .headers(headers.clone())
             .header(reqwest::header::ACCEPT, "application/json");
@@ -365,11 +406,22 @@ impl RedfishBmc {
             .map_err(|e| self.classify(&operation, &e))?;
         let status = resp.status();
         let headers = resp.headers().clone();
-        let body = resp
-            .bytes()
+        // Bounded: a BMC's reply is read only up to MAX_REPLY_BYTES.
+        let mut resp = resp;
+        let mut body = Vec::new();
+        while let Some(chunk) = resp
+            .chunk()
             .await
             .map_err(|e| self.classify(&operation, &e))?
-            .to_vec();
+        {
+            if body.len() + chunk.len() > MAX_REPLY_BYTES {
+                return Err(self.protocol(
+                    &operation,
+                    format!("reply larger than {} KiB", MAX_REPLY_BYTES / 1024),
+                ));
+            }
+            body.extend_from_slice(&chunk);
+        }
         tracing::debug!(bmc = %self.address, %operation, status = status.as_u16(), bytes = body.len(), "redfish reply");
         Ok(Reply {
             status,
@@ -1202,7 +1254,9 @@ impl Drop for RedfishBmc {
             return;
         };
         let http = self.http.clone();
-        let url = self.url(&location);
+        let Ok(url) = self.url(&location) else {
+            return;
+        };
         let gate = self.gate.clone();
         let timeout = self.options.timeout;
         let address = self.address.clone();
@@ -1331,6 +1385,33 @@ fn error_chain(e: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_bmcs_own_origin_is_followed() {
+        let base = "https://10.0.0.5:443";
+        for (path, want) in [
+            (
+                "/redfish/v1/SessionService/Sessions",
+                Some("https://10.0.0.5:443/redfish/v1/SessionService/Sessions"),
+            ),
+            (
+                "https://10.0.0.5/redfish/v1/Systems/1",
+                Some("https://10.0.0.5/redfish/v1/Systems/1"),
+            ),
+            ("https://10.0.0.5:443/x", Some("https://10.0.0.5/x")),
+            ("https://10.0.0.6/redfish/v1", None),
+            ("http://10.0.0.5/redfish/v1", None),
+            ("https://10.0.0.5:8443/redfish/v1", None),
+            ("https://admin:pw@10.0.0.5/redfish/v1", None),
+            ("//evil.example/redfish/v1", None),
+            ("/\\evil", None),
+            ("redfish/v1/Systems/1", None),
+            ("file:///etc/passwd", None),
+            ("", None),
+        ] {
+            assert_eq!(confined_url(base, path).ok().as_deref(), want, "{path:?}");
+        }
+    }
 
     #[test]
     fn address_forms() {
