@@ -1337,14 +1337,21 @@ fn members(collection: &Value) -> Vec<String> {
 /// The human-readable messages of a Redfish error body (`error.@Message.ExtendedInfo[].Message`,
 /// else `error.message`), or a short excerpt of a non-JSON body.
 pub fn redfish_messages(body: &[u8]) -> Vec<String> {
+    // What is not a Redfish error (a proxy's page, an attacker's text) is described, never echoed:
+    // these messages end up in conditions and Events.
     let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        let text = String::from_utf8_lossy(body);
-        let text = text.trim();
-        return if text.is_empty() {
+        return if body.iter().all(u8::is_ascii_whitespace) {
             Vec::new()
         } else {
-            vec![text.chars().take(200).collect()]
+            vec![format!("a non-Redfish reply of {} bytes", body.len())]
         };
+    };
+    let bounded = |m: &str| -> String {
+        let mut s: String = m.chars().take(MAX_MESSAGE_CHARS).collect();
+        if m.chars().count() > MAX_MESSAGE_CHARS {
+            s.push('…');
+        }
+        s
     };
     let mut out: Vec<String> = v
         .pointer("/error/@Message.ExtendedInfo")
@@ -1353,17 +1360,22 @@ pub fn redfish_messages(body: &[u8]) -> Vec<String> {
             infos
                 .iter()
                 .filter_map(|i| i.get("Message").and_then(Value::as_str))
-                .map(str::to_string)
+                .take(MAX_MESSAGES)
+                .map(bounded)
                 .collect()
         })
         .unwrap_or_default();
     if out.is_empty()
         && let Some(m) = v.pointer("/error/message").and_then(Value::as_str)
     {
-        out.push(m.to_string());
+        out.push(bounded(m));
     }
     out
 }
+
+/// Bounds on what a BMC's error reply may put into a condition or an Event.
+pub const MAX_MESSAGES: usize = 4;
+pub const MAX_MESSAGE_CHARS: usize = 300;
 
 /// `Display` of an error and its sources, joined by `: `, without URLs repeated.
 fn error_chain(e: &reqwest::Error) -> String {
@@ -1385,6 +1397,25 @@ fn error_chain(e: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bmc_messages_are_bounded_and_never_echo_other_bodies() {
+        assert_eq!(
+            redfish_messages(b"<html><body>proxy login: password=hunter2</body></html>"),
+            vec!["a non-Redfish reply of 55 bytes".to_string()]
+        );
+        assert!(redfish_messages(b"  \n").is_empty());
+        let long = "x".repeat(5000);
+        let many: Vec<Value> = (0..20).map(|_| json!({"Message": long})).collect();
+        let body = json!({"error": {"message": "m", "@Message.ExtendedInfo": many}}).to_string();
+        let messages = redfish_messages(body.as_bytes());
+        assert_eq!(messages.len(), MAX_MESSAGES);
+        assert!(
+            messages
+                .iter()
+                .all(|m| m.chars().count() == MAX_MESSAGE_CHARS + 1)
+        );
+    }
 
     #[test]
     fn only_the_bmcs_own_origin_is_followed() {
