@@ -1,7 +1,6 @@
 # The metalboot manager image: one static binary on a distroless base, running as non-root.
 # Both clusterctl providers (infrastructure, bootstrap) run this image; the Deployments select
-# the controllers with --controllers. TFTP on :69 needs NET_BIND_SERVICE, which the
-# infrastructure Deployment adds (and nothing else); the bootstrap Deployment binds no low port.
+# the controllers with --controllers.
 #
 #   docker build -t ghcr.io/metalboot/metalboot:v0.1.0 .
 
@@ -26,6 +25,8 @@ FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/metalboot /metalboot
 # --tftp-root defaults to /usr/lib/ipxe.
 COPY --from=build /out/ipxe/ /usr/lib/ipxe/
-# 65532 is distroless' nonroot user; the Deployments' runAsUser matches.
+# 65532 is distroless' nonroot user (the bootstrap Deployment runs so); the infrastructure
+# Deployment runs as root with only NET_BIND_SERVICE, because TFTP binds port 69 and Kubernetes
+# gives non-root containers no ambient capabilities.
 USER 65532:65532
 ENTRYPOINT ["/metalboot"]

@@ -818,8 +818,23 @@ fn dockerfile_matches_the_deployments() {
         let deployment =
             std::fs::read_to_string(project().join(format!("deploy/{provider}/deployment.yaml")))
                 .expect("deployment");
-        assert!(deployment.contains("runAsUser: 65532"), "{provider}");
-        assert!(deployment.contains("runAsNonRoot: true"), "{provider}");
+        assert!(deployment.contains("drop: [ALL]"), "{provider}");
+        assert!(
+            deployment.contains("allowPrivilegeEscalation: false"),
+            "{provider}"
+        );
+        assert!(
+            deployment.contains("type: Recreate"),
+            "{provider}: host ports and a leader Lease"
+        );
+        if provider == "bootstrap" {
+            assert!(deployment.contains("runAsUser: 65532"), "{provider}");
+            assert!(deployment.contains("runAsNonRoot: true"), "{provider}");
+        } else {
+            // Port 69 needs NET_BIND_SERVICE, which only root keeps in a container.
+            assert!(deployment.contains("runAsUser: 0"), "{provider}");
+            assert!(deployment.contains("add: [NET_BIND_SERVICE]"), "{provider}");
+        }
         assert!(
             deployment.contains("            - manager\n"),
             "{provider}: args start with the subcommand"

@@ -368,7 +368,7 @@ impl RedfishBmc {
     }
 
     fn op(method: &Method, path: &str) -> String {
-        format!("{method} {path}")
+        format!("{method} {}", shown(path))
     }
 
     // ---- transport ------------------------------------------------------------------------
@@ -629,7 +629,7 @@ impl RedfishBmc {
             "UserName": self.credentials.username,
             "Password": self.credentials.password.expose(),
         });
-        let operation = format!("POST {sessions_path}");
+        let operation = format!("POST {}", shown(&sessions_path));
         let reply = self
             .exchange_retrying(
                 &Method::POST,
@@ -764,7 +764,7 @@ impl RedfishBmc {
 
     /// GET a resource as JSON; 404 becomes NotFound.
     async fn get_json(&self, path: &str) -> Result<(Value, Reply), BmcError> {
-        let operation = format!("GET {path}");
+        let operation = format!("GET {}", shown(path));
         let reply = self
             .call(
                 Method::GET,
@@ -797,7 +797,7 @@ impl RedfishBmc {
         extra: &HeaderMap,
         retry: Retry,
     ) -> Result<Reply, BmcError> {
-        let operation = format!("{method} {path}");
+        let operation = format!("{method} {}", shown(path));
         let reply = self.call(method, path, Some(body), extra, retry).await?;
         match reply.status.as_u16() {
             200..=299 => Ok(reply),
@@ -848,7 +848,7 @@ impl RedfishBmc {
                 reason: format!(
                     "the BMC has {} systems; add one of them to the address: {}",
                     many.len(),
-                    many.join(", ")
+                    shown(&many.join(", "))
                 ),
             }),
         }
@@ -959,7 +959,7 @@ impl RedfishBmc {
                         what: format!(
                             "boot device {} (allowed: {})",
                             device.redfish_name(),
-                            allowed.join(", ")
+                            shown(&allowed.join(", "))
                         ),
                     });
                 }
@@ -1131,7 +1131,7 @@ impl RedfishBmc {
                 if seen.is_empty() {
                     "none".to_string()
                 } else {
-                    seen.join(", ")
+                    shown(&seen.join(", "))
                 }
             ),
         })
@@ -1373,6 +1373,18 @@ pub fn redfish_messages(body: &[u8]) -> Vec<String> {
     out
 }
 
+/// Text a BMC chose (paths, member lists) as it appears in errors, conditions and logs: bounded.
+fn shown(text: &str) -> String {
+    const MAX: usize = 200;
+    if text.chars().count() <= MAX {
+        text.to_string()
+    } else {
+        let mut cut: String = text.chars().take(MAX).collect();
+        cut.push('…');
+        cut
+    }
+}
+
 /// Bounds on what a BMC's error reply may put into a condition or an Event.
 pub const MAX_MESSAGES: usize = 4;
 pub const MAX_MESSAGE_CHARS: usize = 300;
@@ -1591,7 +1603,8 @@ mod tests {
         );
         assert_eq!(
             redfish_messages(b"Service Unavailable"),
-            vec!["Service Unavailable"]
+            vec!["a non-Redfish reply of 19 bytes"],
+            "not Redfish JSON: described, not echoed"
         );
         assert!(redfish_messages(b"").is_empty());
     }

@@ -75,6 +75,11 @@ pub struct TftpLimits {
     pub max_per_client: usize,
     /// Wait for an ACK before resending; the client's own `timeout` option is not acknowledged.
     pub timeout: Duration,
+    /// Wait for the first ACK (or the OACK's ACK): an address that never asked — a spoofed
+    /// request — holds a slot this long. PXE firmware answers within milliseconds.
+    pub first_ack_timeout: Duration,
+    /// Longest a whole transfer may take, however slowly the client acknowledges.
+    pub max_transfer_time: Duration,
     /// Resends of a block, once the client has acknowledged one (a transfer whose first packet
     /// is never acknowledged ends after one `timeout`).
     pub retries: u32,
@@ -90,6 +95,8 @@ impl Default for TftpLimits {
             max_transfers: 256,
             max_per_client: 32,
             timeout: Duration::from_secs(3),
+            first_ack_timeout: Duration::from_secs(1),
+            max_transfer_time: Duration::from_secs(120),
             retries: 3,
             block_size: 1468,
             read_buffer: 16 * 1024,
@@ -218,7 +225,8 @@ pub mod wire {
 }
 
 /// The options this server acknowledges, and the block size they settle on: blksize (clamped to
-/// the budget), tsize (the file's size). timeout and windowsize are not acknowledged, so the
+/// the budget; below 512 it is not acknowledged, so tiny blocks cannot stretch a transfer),
+/// tsize (the file's size). timeout and windowsize are not acknowledged, so the
 /// client keeps RFC 1350's one block in flight and the server's own timeout.
 pub fn negotiate(
     options: &[(String, String)],
@@ -231,7 +239,7 @@ pub fn negotiate(
         match key.as_str() {
             "blksize" => {
                 if let Ok(asked) = value.parse::<usize>()
-                    && (8..=65464).contains(&asked)
+                    && (512..=65464).contains(&asked)
                 {
                     block = asked.min(usize::from(limit));
                     accepted.push((key.clone(), block.to_string()));
@@ -419,7 +427,23 @@ impl Transfer {
         let name = shown.trim_start_matches('/').to_string();
         tracing::info!(client = %self.client, file = %name, bytes = size, "TFTP read");
         crate::metrics::record_tftp(&name, "served");
-        let ended = self.send_file(&socket, file, size, &options).await;
+        let ended = match tokio::time::timeout(
+            self.limits.max_transfer_time,
+            self.send_file(&socket, file, size, &options),
+        )
+        .await
+        {
+            Ok(ended) => ended,
+            Err(_) => {
+                let _ = socket
+                    .send_to(
+                        &wire::error(wire::NOT_DEFINED, "transfer too slow"),
+                        self.client,
+                    )
+                    .await;
+                Ended::Abandoned
+            }
+        };
         match ended {
             Ended::Done => {
                 tracing::debug!(client = %self.client, file = %name, "TFTP transfer done")
@@ -496,17 +520,17 @@ impl Transfer {
         block: u16,
         acknowledged_once: bool,
     ) -> Result<(), Ended> {
-        let sends = if acknowledged_once {
-            self.limits.retries + 1
+        let (sends, timeout) = if acknowledged_once {
+            (self.limits.retries + 1, self.limits.timeout)
         } else {
-            1
+            (1, self.limits.first_ack_timeout)
         };
         let mut buf = [0u8; 1024];
         for _ in 0..sends {
             if socket.send_to(packet, self.client).await.is_err() {
                 return Err(Ended::Abandoned);
             }
-            let deadline = tokio::time::Instant::now() + self.limits.timeout;
+            let deadline = tokio::time::Instant::now() + timeout;
             loop {
                 let received = tokio::time::timeout_at(deadline, socket.recv_from(&mut buf)).await;
                 let Ok(Ok((n, from))) = received else {
@@ -634,6 +658,11 @@ mod tests {
         assert_eq!(
             negotiate(&opts(&[("blksize", "7")]), 1468, 0),
             (512, vec![])
+        );
+        assert_eq!(
+            negotiate(&opts(&[("blksize", "8")]), 1468, 0),
+            (512, vec![]),
+            "tiny blocks would stretch a transfer"
         );
         assert_eq!(
             negotiate(&opts(&[("blksize", "x")]), 1468, 0),

@@ -471,6 +471,8 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
+            // Hosts registered before the label existed, or whose Secret names changed.
+            label_secrets_for_move(&ctx.client, &host).await;
             let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
