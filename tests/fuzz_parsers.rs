@@ -257,3 +257,97 @@ fn tftp_packets_decode_or_are_ignored() {
         },
     );
 }
+
+#[test]
+fn dhcp_requests_get_a_proxy_answer_or_none() {
+    use dhcproto::{Decodable, v4};
+    let files = metalboot::boot::dhcp::BootFiles::new("http://10.0.0.2:8080");
+    let server = std::net::Ipv4Addr::new(10, 0, 0, 2);
+    // A BOOTP header (op, htype 1, hlen 6, xid, magic cookie) followed by hostile options.
+    let header = |options: Vec<u8>| {
+        let mut p = vec![0u8; 240];
+        p[0] = 1;
+        p[1] = 1;
+        p[2] = 6;
+        p[236..240].copy_from_slice(&[99, 130, 83, 99]);
+        p.extend(options);
+        p
+    };
+    let answered = std::sync::atomic::AtomicU64::new(0);
+    fuzz(
+        "dhcp_requests_get_a_proxy_answer_or_none",
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..700),
+            proptest::collection::vec(any::<u8>(), 0..400).prop_map(header),
+            proptest::collection::vec(
+                (
+                    prop_oneof![
+                        Just(53u8),
+                        Just(60),
+                        Just(77),
+                        Just(93),
+                        Just(94),
+                        Just(175),
+                        any::<u8>()
+                    ],
+                    proptest::collection::vec(any::<u8>(), 0..12)
+                ),
+                0..30
+            )
+            .prop_map(move |opts| header(
+                opts.into_iter()
+                    .flat_map(|(code, value)| {
+                        let mut o = vec![code, value.len() as u8];
+                        o.extend(value);
+                        o
+                    })
+                    .chain([255])
+                    .collect()
+            )),
+            // Well-formed PXE requests with arbitrary architecture, user class and relay address.
+            (
+                prop_oneof![
+                    Just(0u16),
+                    Just(7),
+                    Just(9),
+                    Just(11),
+                    Just(16),
+                    any::<u16>()
+                ],
+                proptest::collection::vec(any::<u8>(), 0..20),
+                any::<[u8; 4]>(),
+                any::<bool>()
+            )
+                .prop_map(|(arch, user_class, giaddr, discover)| {
+                    use dhcproto::Encodable;
+                    let mut m = v4::Message::default();
+                    m.set_chaddr(&[0x52, 0x54, 0, 1, 2, 3]).set_giaddr(giaddr);
+                    let opts = m.opts_mut();
+                    opts.insert(v4::DhcpOption::MessageType(if discover {
+                        v4::MessageType::Discover
+                    } else {
+                        v4::MessageType::Request
+                    }));
+                    opts.insert(v4::DhcpOption::ClassIdentifier(
+                        b"PXEClient:Arch:00000".to_vec(),
+                    ));
+                    opts.insert(v4::DhcpOption::ClientSystemArchitecture(arch.into()));
+                    opts.insert(v4::DhcpOption::UserClass(user_class));
+                    m.to_vec().unwrap_or_default()
+                }),
+        ],
+        |packet| {
+            if let Some(reply) = metalboot::boot::dhcp::answer(&packet, &files, server) {
+                answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let reply = v4::Message::decode(&mut dhcproto::Decoder::new(&reply))
+                    .map_err(|e| TestCaseError::fail(format!("our reply does not decode: {e}")))?;
+                prop_assert_eq!(reply.yiaddr(), std::net::Ipv4Addr::UNSPECIFIED);
+                prop_assert_eq!(reply.siaddr(), server);
+            }
+            Ok(())
+        },
+    );
+    let answered = answered.into_inner();
+    println!("fuzz dhcp: {answered} requests answered");
+    assert!(answered > 0, "the reply path was exercised");
+}

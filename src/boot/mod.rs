@@ -5,6 +5,7 @@
 
 pub mod artifacts;
 pub mod budget;
+pub mod dhcp;
 pub mod http;
 pub mod ipxe;
 pub mod nocloud;
