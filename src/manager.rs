@@ -35,15 +35,10 @@ impl Controllers {
         bootstrap: true,
         core: true,
     };
-    /// The clusterctl infrastructure provider's Deployment.
-    pub const INFRASTRUCTURE: Controllers = Controllers {
+    /// Both clusterctl providers in one process, as the lab and the tests run them beside
+    /// upstream core.
+    pub const PROVIDERS: Controllers = Controllers {
         infrastructure: true,
-        bootstrap: false,
-        core: false,
-    };
-    /// The clusterctl bootstrap provider's Deployment.
-    pub const BOOTSTRAP: Controllers = Controllers {
-        infrastructure: false,
         bootstrap: true,
         core: false,
     };
@@ -174,6 +169,10 @@ pub async fn start(
     client: kube::Client,
     opts: ManagerOptions,
 ) -> Result<RunningManager, ManagerError> {
+    let opts = ManagerOptions {
+        watch_filter: opts.watch_filter.filter(|f| !f.is_empty()),
+        ..opts
+    };
     let serves_hosts = opts.controllers.infrastructure;
     let base_url = match &opts.advertise_url {
         Some(url) => url.trim_end_matches('/').to_string(),
@@ -209,7 +208,7 @@ pub async fn start(
         _ => base_url,
     };
     let namespace = opts.namespace.as_deref();
-    let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
+    let watch_filter = opts.watch_filter.clone();
     let mut running = RunningManager {
         boot_addr,
         tftp_addr: None,
@@ -330,7 +329,7 @@ async fn start_infrastructure(
     running: &mut RunningManager,
 ) -> Result<axum::Router, ManagerError> {
     let namespace = opts.namespace.as_deref();
-    let watch_filter = opts.watch_filter.clone().filter(|f| !f.is_empty());
+    let watch_filter = opts.watch_filter.clone();
     let tftp = match &opts.tftp {
         Some((addr, root)) => Some(
             crate::boot::tftp::Tftp::bind(*addr, root)
@@ -342,12 +341,14 @@ async fn start_infrastructure(
     running.tftp_addr = tftp.as_ref().and_then(|t| t.local_addr());
     let connector: Arc<dyn BmcConnector> = Arc::new(RedfishConnector::new(opts.bmc_timeout));
     let stores = reflectors.stores();
+    let (secret_meta, secret_meta_writer) = kube::runtime::reflector::store();
     let host_controller = metalhost::controller(
         client.clone(),
         namespace,
         &stores,
         reflectors.hosts.subscribe(),
         reflectors.metal_machines.subscribe(),
+        secret_meta_writer,
     );
     let host_ctx = Arc::new(metalhost::HostContext {
         client: client.clone(),
@@ -359,6 +360,7 @@ async fn start_infrastructure(
         graceful_off: opts.graceful_off,
         power_requests: Default::default(),
         watch_filter: watch_filter.clone(),
+        secret_meta,
     });
 
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
@@ -389,6 +391,7 @@ async fn start_infrastructure(
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
         hosts: stores.hosts.clone(),
+        clusters: stores.clusters.clone(),
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),
     });

@@ -102,6 +102,8 @@ pub fn desired_status(
 pub struct ClusterContext {
     pub client: kube::Client,
     pub hosts: Store<MetalHost>,
+    /// The manager's shared Cluster store (the same watch that wakes this controller).
+    pub clusters: Store<DeserializeGuard<Cluster>>,
     pub backoff: Backoff,
     pub watch_filter: Option<String>,
 }
@@ -121,13 +123,9 @@ async fn reconcile(
         .iter()
         .find(|o| o.kind == "Cluster" && o.api_version.starts_with("cluster.x-k8s.io/"))
         .map(|o| o.name.clone());
-    let cluster = match owner {
-        Some(name) => Api::<Cluster>::namespaced(ctx.client.clone(), &namespace)
-            .get_opt(&name)
-            .await
-            .map_err(ReconcileError::read(format!("Cluster {name}")))?,
-        None => None,
-    };
+    let cluster = owner
+        .and_then(|name| ctx.clusters.get(&ObjectRef::new(&name).within(&namespace)))
+        .and_then(|guard| guard.0.as_ref().ok().cloned());
     let status = desired_status(
         &mc,
         &ctx.hosts.state(),

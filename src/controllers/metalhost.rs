@@ -292,6 +292,8 @@ pub struct HostContext {
     pub graceful_off: Duration,
     pub power_requests: PowerRequests,
     pub watch_filter: Option<String>,
+    /// Metadata of the Secrets in scope, from the watch that also wakes hosts on a change.
+    pub secret_meta: Store<PartialObjectMeta<Secret>>,
 }
 
 /// Writes the whole status with server-side apply: this controller is its only writer.
@@ -329,6 +331,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     let interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
+    label_secrets_for_move(ctx, &host).await;
     match plan(&host, now.0, interval) {
         HostPlan::Paused => {
             let mut status = host.status.clone().unwrap_or_default();
@@ -372,9 +375,6 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 },
             };
             let failed = result.as_ref().err().cloned();
-            if failed.is_none() {
-                label_secrets_for_move(&ctx.client, &host).await;
-            }
             let mut status = registration_status(&host, result, &now);
             if failed.is_none() {
                 status = settle(&host, status, consumer, &now);
@@ -471,8 +471,6 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
-            // Hosts registered before the label existed, or whose Secret names changed.
-            label_secrets_for_move(&ctx.client, &host).await;
             let result = match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
@@ -512,24 +510,20 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
 /// let the garbage collector delete a Secret shared by hosts once the last of them is gone.
 const CLUSTERCTL_MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
 
-async fn label_secrets_for_move(client: &kube::Client, host: &MetalHost) {
+async fn label_secrets_for_move(ctx: &HostContext, host: &MetalHost) {
     let namespace = host.namespace().unwrap_or_default();
-    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
-        Api::namespaced(client.clone(), &namespace);
     let names = std::iter::once(&host.spec.bmc.credentials_name)
         .chain(host.spec.bmc.ca_secret_name.as_ref());
     for name in names {
-        let labelled = match secrets.get_metadata_opt(name).await {
-            Ok(Some(meta)) => meta.labels().contains_key(CLUSTERCTL_MOVE_LABEL),
-            Ok(None) => true,
-            Err(e) => {
-                tracing::debug!(secret = %name, error = %e, "cannot read the Secret's labels");
-                true
-            }
-        };
-        if labelled {
+        // Read from the watch's store: nothing is asked of the apiserver unless a label is missing.
+        let unlabelled = ctx
+            .secret_meta
+            .get(&ObjectRef::new(name).within(&namespace))
+            .is_some_and(|meta| !meta.labels().contains_key(CLUSTERCTL_MOVE_LABEL));
+        if !unlabelled {
             continue;
         }
+        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
         let patch = serde_json::json!({"metadata": {"labels": {CLUSTERCTL_MOVE_LABEL: ""}}});
         if let Err(e) = secrets
             .patch_metadata(
@@ -576,6 +570,7 @@ pub fn controller(
     stores: &SharedStores,
     hosts: kube::runtime::reflector::ReflectHandle<MetalHost>,
     machines: kube::runtime::reflector::ReflectHandle<MetalMachine>,
+    secret_meta: kube::runtime::reflector::store::Writer<PartialObjectMeta<Secret>>,
 ) -> Controller<MetalHost> {
     let secrets: Api<PartialObjectMeta<Secret>> = match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
@@ -583,10 +578,12 @@ pub fn controller(
     };
     let store = stores.hosts.clone();
     let claimed = stores.hosts.clone();
-    // Credentials are re-checked as soon as their Secret changes (metadata only is watched).
-    let secret_changes = watcher(secrets, watcher::Config::default())
-        .default_backoff()
-        .touched_objects();
+    // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
+    // kept in a store for the move label).
+    let secret_changes =
+        kube::runtime::reflector(secret_meta, watcher(secrets, watcher::Config::default()))
+            .default_backoff()
+            .touched_objects();
     Controller::for_shared_stream(hosts, stores.hosts.clone())
         .watches_stream(secret_changes, move |secret| {
             hosts_using(

@@ -174,14 +174,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                 .await
                 .map_err(|e| LabError::Setup(e.to_string()))?;
         tracing::info!(version = %release.version, log = %core.log.display(), "upstream Cluster API core installed by clusterctl and running");
-        (
-            Some(core),
-            crate::manager::Controllers {
-                infrastructure: true,
-                bootstrap: true,
-                core: false,
-            },
-        )
+        (Some(core), crate::manager::Controllers::PROVIDERS)
     };
     let accel = probe_accel(&dir.join("kvm-probe")).await;
     tracing::info!(

@@ -314,42 +314,32 @@ pub async fn point_webhooks_at_loopback(
         };
         true
     };
-    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    for mut config in mutating
-        .list(&Default::default())
-        .await
-        .map_err(kube_err("listing mutating webhooks"))?
-        .items
-    {
-        let mut changed = false;
-        for webhook in config.webhooks.iter_mut().flatten() {
-            changed |= repoint(&mut webhook.client_config);
-        }
-        if changed {
-            mutating
-                .replace(&config.name_any(), &Default::default(), &config)
-                .await
-                .map_err(kube_err("repointing mutating webhooks"))?;
-        }
-    }
-    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    for mut config in validating
-        .list(&Default::default())
-        .await
-        .map_err(kube_err("listing validating webhooks"))?
-        .items
-    {
-        let mut changed = false;
-        for webhook in config.webhooks.iter_mut().flatten() {
-            changed |= repoint(&mut webhook.client_config);
-        }
-        if changed {
-            validating
-                .replace(&config.name_any(), &Default::default(), &config)
-                .await
-                .map_err(kube_err("repointing validating webhooks"))?;
-        }
-    }
+    repoint_all(
+        &Api::<MutatingWebhookConfiguration>::all(client.clone()),
+        "mutating webhooks",
+        |c| {
+            c.webhooks
+                .iter_mut()
+                .flatten()
+                .map(|w| &mut w.client_config)
+                .collect()
+        },
+        &repoint,
+    )
+    .await?;
+    repoint_all(
+        &Api::<ValidatingWebhookConfiguration>::all(client.clone()),
+        "validating webhooks",
+        |c| {
+            c.webhooks
+                .iter_mut()
+                .flatten()
+                .map(|w| &mut w.client_config)
+                .collect()
+        },
+        &repoint,
+    )
+    .await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for mut crd in crds
         .list(&Default::default())
@@ -382,6 +372,40 @@ pub async fn point_webhooks_at_loopback(
                 "repointing {}'s conversion webhook",
                 crd.name_any()
             )))?;
+    }
+    Ok(())
+}
+
+/// Applies `repoint` to every webhook client config of every object of kind `K` and writes back
+/// the objects it changed.
+async fn repoint_all<K>(
+    api: &Api<K>,
+    what: &str,
+    configs: fn(&mut K) -> Vec<&mut WebhookClientConfig>,
+    repoint: &impl Fn(&mut WebhookClientConfig) -> bool,
+) -> Result<(), UpstreamError>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug,
+{
+    for mut object in api
+        .list(&Default::default())
+        .await
+        .map_err(kube_err(format!("listing {what}")))?
+        .items
+    {
+        let mut changed = false;
+        for config in configs(&mut object) {
+            changed |= repoint(config);
+        }
+        if changed {
+            api.replace(&object.name_any(), &Default::default(), &object)
+                .await
+                .map_err(kube_err(format!("repointing {what}")))?;
+        }
     }
     Ok(())
 }
