@@ -25,24 +25,6 @@ fn limits() -> HttpLimits {
     }
 }
 
-/// Resident memory of this process (server and attackers both live here), in KiB.
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
-
 /// Connects from a chosen loopback address (the attacker is 127.0.0.1, the host 127.0.0.2).
 async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
     let socket = TcpSocket::new_v4()?;
@@ -99,8 +81,8 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
         legitimate(boot).await.then_some(())
     })
     .await;
-    let fds_before = open_fds();
-    let rss_before = rss_kib();
+    let fds_before = support::open_fds();
+    let rss_before = support::rss_kib();
     let budget = limits();
 
     // 1. Slowloris: 100 connections from one address, each sending headers that never end.
@@ -115,8 +97,8 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
             attackers.push(s);
         }
     }
-    let fds_peak = open_fds();
-    let rss_peak = rss_kib();
+    let fds_peak = support::open_fds();
+    let rss_peak = support::rss_kib();
     let mut served = 0;
     for _ in 0..10 {
         served += usize::from(legitimate(boot).await);
@@ -276,14 +258,14 @@ async fn slow_idle_and_unauthenticated_traffic_stays_within_budget() {
 
     // Afterwards: the process is back near where it started, and still serves.
     let fds_after = support::eventually("fds back near baseline", 30, || async {
-        let now = open_fds();
+        let now = support::open_fds();
         (now <= fds_before + 8).then_some(now)
     })
     .await;
     println!(
         "fds: before {fds_before}, peak {fds_peak}, after {fds_after}; RSS KiB: before {rss_before}, \
          during the slowloris {rss_peak}, after {}",
-        rss_kib()
+        support::rss_kib()
     );
     assert!(
         rss_peak < rss_before + 64 * 1024,

@@ -166,41 +166,7 @@ impl Drop for Replica {
     }
 }
 
-/// One write as the apiserver recorded it.
-#[derive(Debug)]
-struct Write {
-    agent: String,
-    verb: String,
-    resource: String,
-    name: String,
-    at: jiff::Timestamp,
-}
-
-fn writes_in(ns: &str) -> Vec<Write> {
-    let path = support::control_plane()
-        .data_dir
-        .join(metalboot::controlplane::AUDIT_LOG);
-    let text = std::fs::read_to_string(&path).expect("audit log");
-    text.lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|e| e["objectRef"]["namespace"] == ns)
-        .filter_map(|e| {
-            Some(Write {
-                agent: e["userAgent"].as_str()?.to_string(),
-                verb: e["verb"].as_str()?.to_string(),
-                resource: format!(
-                    "{}/{}",
-                    e["objectRef"]["resource"].as_str().unwrap_or(""),
-                    e["objectRef"]["subresource"].as_str().unwrap_or("")
-                ),
-                name: e["objectRef"]["name"].as_str().unwrap_or("").to_string(),
-                at: e["requestReceivedTimestamp"].as_str()?.parse().ok()?,
-            })
-        })
-        .collect()
-}
-
-fn by(replica: &str) -> impl Fn(&&Write) -> bool + '_ {
+fn by(replica: &str) -> impl Fn(&&support::Write) -> bool + '_ {
     move |w| w.agent.contains(&format!("({replica})"))
 }
 
@@ -314,7 +280,7 @@ async fn a_stopped_leader_is_replaced_only_after_expiry_and_never_writes_again()
         tail(&a_log)
     );
 
-    let writes = writes_in(&ns.name);
+    let writes = support::writes_in(&ns.name);
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     for w in &writes {
         *counts
@@ -337,7 +303,7 @@ async fn a_stopped_leader_is_replaced_only_after_expiry_and_never_writes_again()
             .any(|w| w.name == "h1"),
         "replica-a's own writes are visible in the audit log (the check below can fail)"
     );
-    let late: Vec<&Write> = writes
+    let late: Vec<&support::Write> = writes
         .iter()
         .filter(by("replica-a"))
         .filter(|w| w.at > a_deadline)

@@ -11,13 +11,13 @@ mod support;
 mod capi;
 #[path = "support/faultproxy.rs"]
 mod faultproxy;
+#[path = "support/hostlab.rs"]
+mod hostlab;
 #[path = "support/sushy.rs"]
 mod sushy;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
-use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ObjectMeta, Patch,
@@ -92,19 +92,8 @@ struct Rack {
 
 fn manager_options(ns: &str) -> ManagerOptions {
     ManagerOptions {
-        namespace: Some(ns.to_string()),
-        controllers: Controllers {
-            infrastructure: true,
-            bootstrap: true,
-            core: false,
-        },
-        boot_http: "127.0.0.1:0".parse().expect("addr"),
-        power_poll_interval: Duration::from_secs(10),
-        graceful_off: Duration::from_secs(5),
-        deprovision_timeout: Duration::from_secs(30),
-        bmc_timeout: Duration::from_secs(5),
-        janitor_interval: Duration::from_secs(1),
-        ..Default::default()
+        controllers: Controllers::PROVIDERS,
+        ..hostlab::manager_options(ns)
     }
 }
 
@@ -182,26 +171,7 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
         .expect("manager");
 
     // The workload cluster's apiserver is this one: core's ClusterCache finds the Node here.
-    let kubeconfig = std::fs::read(&mgmt.plane.kubeconfig_path).expect("kubeconfig");
-    secrets
-        .create(
-            &PostParams::default(),
-            &Secret {
-                metadata: ObjectMeta {
-                    name: Some("c1-kubeconfig".into()),
-                    labels: Some(BTreeMap::from([(
-                        "cluster.x-k8s.io/cluster-name".into(),
-                        "c1".into(),
-                    )])),
-                    ..Default::default()
-                },
-                type_: Some("cluster.x-k8s.io/secret".into()),
-                data: Some(BTreeMap::from([("value".into(), ByteString(kubeconfig))])),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("kubeconfig Secret");
+    support::create_workload_kubeconfig(&client, &ns, "c1", &mgmt.plane.kubeconfig_path).await;
 
     // The cluster, exactly as `clusterctl generate cluster` renders the shipped template.
     let port = mgmt
@@ -379,8 +349,8 @@ async fn upstream_core_runs_a_machine_from_the_shipped_template_and_deletion_dep
 
 /// Requests that change a host: power actions (POST .../Actions/...) and boot overrides (PATCH
 /// of the system), as the BMC's recording proxy saw them.
-fn changes_at_the_bmc(rack: &Rack) -> Vec<String> {
-    rack.proxy
+fn changes_at_the_bmc(proxy: &faultproxy::FaultProxy) -> Vec<String> {
+    proxy
         .log()
         .into_iter()
         .filter(|e| e.method == "POST" || e.method == "PATCH")
@@ -398,7 +368,7 @@ async fn clusterctl_move_of_a_running_cluster_touches_no_host() {
     let target_manager = metalboot::manager::start(target.client.clone(), manager_options(&ns))
         .await
         .expect("target manager");
-    let before = changes_at_the_bmc(&rack);
+    let before = changes_at_the_bmc(&rack.proxy);
     assert!(
         before.iter().any(|r| r.starts_with("POST ")),
         "provisioning powered the host on through the recording proxy: {before:?}"
@@ -490,7 +460,7 @@ async fn clusterctl_move_of_a_running_cluster_touches_no_host() {
 
     // Neither side sent the BMC a power action or a boot override.
     assert_eq!(
-        changes_at_the_bmc(&rack),
+        changes_at_the_bmc(&rack.proxy),
         before,
         "the move must not touch the host's power or boot settings"
     );
@@ -556,11 +526,7 @@ async fn restoring_a_running_cluster_without_status_power_cycles_nothing() {
     })
     .await
     .expect("deleted");
-    let before = proxy
-        .log()
-        .into_iter()
-        .filter(|e| e.method == "POST" || e.method == "PATCH")
-        .count();
+    let before = changes_at_the_bmc(&proxy);
     hosts
         .create(
             &PostParams::default(),
@@ -606,11 +572,7 @@ async fn restoring_a_running_cluster_without_status_power_cycles_nothing() {
         hosts.get("rack1-slot1").await.ok().map(|h| h.status),
         metal_machines.get(&mm_name).await.ok().map(|m| m.status)
     );
-    let after = proxy
-        .log()
-        .into_iter()
-        .filter(|e| e.method == "POST" || e.method == "PATCH")
-        .count();
+    let after = changes_at_the_bmc(&proxy);
     assert_eq!(
         after, before,
         "the restore sent no power action or boot override"

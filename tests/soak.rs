@@ -23,9 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{Node, Secret};
-use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::PowerState;
@@ -155,21 +154,13 @@ async fn sigkill_at_random_points_while_five_hosts_provision() {
     }
     let claims = record_claims(lab.ns.client.clone(), &lab.ns.name);
     // The workload cluster is this apiserver: the Machine controller finds Nodes here.
-    let kubeconfig = std::fs::read(&support::control_plane().kubeconfig_path).expect("kubeconfig");
-    Api::<Secret>::namespaced(lab.ns.client.clone(), &lab.ns.name)
-        .create(
-            &PostParams::default(),
-            &Secret {
-                metadata: ObjectMeta {
-                    name: Some("c1-kubeconfig".into()),
-                    ..Default::default()
-                },
-                data: Some(BTreeMap::from([("value".into(), ByteString(kubeconfig))])),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("kubeconfig Secret");
+    support::create_workload_kubeconfig(
+        &lab.ns.client,
+        &lab.ns.name,
+        "c1",
+        &support::control_plane().kubeconfig_path,
+    )
+    .await;
 
     let boot = free_port();
     let player = Arc::new(Player {

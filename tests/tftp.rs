@@ -11,12 +11,21 @@ use metalboot::boot::tftp::Tftp;
 const ROOT: &str = "/usr/lib/ipxe";
 
 async fn start() -> SocketAddr {
+    start_counted().await.0
+}
+
+/// A server over Debian's iPXE directory, and its count of transfers in flight.
+async fn start_counted() -> (
+    SocketAddr,
+    std::sync::Arc<metalboot::boot::budget::ClientSlots>,
+) {
     let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
         .await
         .expect("bind TFTP");
     let addr = server.local_addr().expect("TFTP address");
+    let transfers = server.transfers();
     tokio::spawn(server.serve());
-    addr
+    (addr, transfers)
 }
 
 fn original() -> Vec<u8> {
@@ -228,12 +237,7 @@ fn fetch_on(socket: &UdpSocket, addr: SocketAddr, name: &str) -> (Vec<u8>, Vec<S
 
 #[tokio::test]
 async fn a_client_error_ends_its_transfer_at_once() {
-    let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
-        .await
-        .expect("bind TFTP");
-    let addr = server.local_addr().expect("address");
-    let transfers = server.transfers();
-    tokio::spawn(server.serve());
+    let (addr, transfers) = start_counted().await;
     let socket = UdpSocket::bind("127.0.0.1:0").expect("udp");
     let first = tokio::task::spawn_blocking({
         let socket = socket.try_clone().expect("clone");
@@ -268,12 +272,7 @@ async fn a_client_error_ends_its_transfer_at_once() {
 
 #[tokio::test]
 async fn a_request_spoofed_from_a_clients_address_does_not_hold_that_client_off() {
-    let server = Tftp::bind("127.0.0.1:0".parse().expect("addr"), Path::new(ROOT))
-        .await
-        .expect("bind TFTP");
-    let addr = server.local_addr().expect("address");
-    let transfers = server.transfers();
-    tokio::spawn(server.serve());
+    let (addr, transfers) = start_counted().await;
     let client = UdpSocket::bind("127.0.0.1:0").expect("udp");
     // The attacker's request carries the client's ip:port; the server answers the client, who
     // did not ask and does not acknowledge.

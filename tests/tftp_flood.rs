@@ -2,6 +2,8 @@
 //! binary so that the fds and memory it measures are the server's: transfers stay within their
 //! budget, are reclaimed within about one timeout, and a real host is served meanwhile.
 
+mod support;
+
 use std::net::UdpSocket;
 use std::path::Path;
 use std::process::Command;
@@ -21,24 +23,6 @@ fn request(opcode: u8, name: &str) -> Vec<u8> {
     p.push(0);
     p.extend_from_slice(b"octet\0");
     p
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
-
-/// Resident memory of this process (server and attacker both live here), in KiB.
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 /// 200 read requests from one address that never acknowledge. The server keeps at most its
@@ -67,8 +51,8 @@ async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() 
     tokio::spawn(server.serve());
 
     const REQUESTS: usize = 200;
-    let fds_before = open_fds();
-    let rss_before = rss_kib();
+    let fds_before = support::open_fds();
+    let rss_before = support::rss_kib();
     // One attacker socket (one ip:port) sends every request: the server's fds and memory are
     // then all that grows in this process.
     let attack = tokio::task::spawn_blocking(move || {
@@ -110,8 +94,8 @@ async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() 
         let (mut peak, mut fds, mut rss) = (0, 0, 0);
         while !attack.is_finished() {
             peak = peak.max(transfers.active());
-            fds = fds.max(open_fds());
-            rss = rss.max(rss_kib());
+            fds = fds.max(support::open_fds());
+            rss = rss.max(support::rss_kib());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         (peak, fds, rss)
@@ -141,7 +125,7 @@ async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() 
         bytes as f64 / (sent * request(1, "undionly.kpxe").len()) as f64,
         sent * request(1, "undionly.kpxe").len(),
         started.elapsed(),
-        open_fds(),
+        support::open_fds(),
         if fetched.status.success() {
             "served"
         } else {
@@ -159,7 +143,10 @@ async fn unacknowledged_requests_stay_within_budget_and_a_real_host_is_served() 
         fds_peak <= fds_before + 2 * (limits.max_per_client + 1) + 4,
         "two fds per transfer: fds {fds_before} → {fds_peak}"
     );
-    assert!(open_fds() <= fds_before + 2, "fds return to baseline");
+    assert!(
+        support::open_fds() <= fds_before + 2,
+        "fds return to baseline"
+    );
     assert!(
         rss_peak < rss_before + 16 * 1024,
         "memory grows by less than 16 MiB ({rss_before} → {rss_peak} KiB)"

@@ -69,6 +69,22 @@ pub async fn lab_with(prefix: &str, systems: u8, sessions: bool) -> Lab {
     Lab { ns, sushy, proxy }
 }
 
+/// A manager over `ns` with timings for sushy-tools hosts, on a free loopback port.
+pub fn manager_options(ns: &str) -> ManagerOptions {
+    ManagerOptions {
+        namespace: Some(ns.to_string()),
+        boot_http: "127.0.0.1:0".parse().expect("addr"),
+        power_poll_interval: Duration::from_secs(10),
+        // sushy-tools' fake driver applies a power action 1–11 s after the request, so a forced
+        // power-off at 5 s is done by 16 s; 30 s leaves room on a loaded machine.
+        graceful_off: Duration::from_secs(5),
+        deprovision_timeout: Duration::from_secs(30),
+        bmc_timeout: Duration::from_secs(5),
+        janitor_interval: Duration::from_secs(1),
+        ..Default::default()
+    }
+}
+
 pub async fn credentials(ns: &support::TestNamespace, name: &str, password: &str) {
     let secret = Secret {
         metadata: ObjectMeta {
@@ -193,23 +209,9 @@ impl Lab {
     }
 
     pub async fn manager(&self) -> RunningManager {
-        metalboot::manager::start(
-            self.ns.client.clone(),
-            ManagerOptions {
-                namespace: Some(self.ns.name.clone()),
-                boot_http: "127.0.0.1:0".parse().expect("addr"),
-                power_poll_interval: Duration::from_secs(10),
-                // sushy-tools' fake driver applies a power action 1–11 s after the request, so a
-                // forced power-off at 5 s is done by 16 s; 30 s leaves room on a loaded machine.
-                graceful_off: Duration::from_secs(5),
-                deprovision_timeout: Duration::from_secs(30),
-                bmc_timeout: Duration::from_secs(5),
-                janitor_interval: Duration::from_secs(1),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("manager starts")
+        metalboot::manager::start(self.ns.client.clone(), manager_options(&self.ns.name))
+            .await
+            .expect("manager starts")
     }
 
     /// A driver straight to the emulator (not through the proxy), for checking what the BMC saw.

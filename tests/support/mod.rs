@@ -167,3 +167,91 @@ where
         None => panic!("timed out after {secs}s waiting for {what}"),
     }
 }
+
+/// Resident memory of this test process (servers and attackers both live here), in KiB.
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// File descriptors this test process holds.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// One write as the shared control plane's audit log recorded it (`resource` is
+/// `resource/subresource`).
+#[derive(Debug)]
+pub struct Write {
+    pub agent: String,
+    pub verb: String,
+    pub resource: String,
+    pub name: String,
+    pub at: jiff::Timestamp,
+}
+
+/// Every write in `ns`, oldest first.
+pub fn writes_in(ns: &str) -> Vec<Write> {
+    let path = control_plane()
+        .data_dir
+        .join(metalboot::controlplane::AUDIT_LOG);
+    let text = std::fs::read_to_string(&path).expect("audit log");
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|e| e["objectRef"]["namespace"] == ns)
+        .filter_map(|e| {
+            Some(Write {
+                agent: e["userAgent"].as_str().unwrap_or("").to_string(),
+                verb: e["verb"].as_str()?.to_string(),
+                resource: format!(
+                    "{}/{}",
+                    e["objectRef"]["resource"].as_str().unwrap_or(""),
+                    e["objectRef"]["subresource"].as_str().unwrap_or("")
+                ),
+                name: e["objectRef"]["name"].as_str().unwrap_or("").to_string(),
+                at: e["requestReceivedTimestamp"].as_str()?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// `<cluster>-kubeconfig` holding the kubeconfig at `file` under `value`, labelled with the cluster
+/// name as upstream core's cache requires: the workload cluster is an apiserver of the test's own.
+pub async fn create_workload_kubeconfig(
+    client: &kube::Client,
+    ns: &str,
+    cluster: &str,
+    file: &std::path::Path,
+) {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    let kubeconfig = std::fs::read(file).expect("kubeconfig file");
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(format!("{cluster}-kubeconfig")),
+            labels: Some(
+                [(
+                    "cluster.x-k8s.io/cluster-name".to_string(),
+                    cluster.to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        type_: Some("cluster.x-k8s.io/secret".into()),
+        data: Some([("value".to_string(), ByteString(kubeconfig))].into()),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("kubeconfig Secret");
+}
