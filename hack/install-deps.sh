@@ -7,6 +7,8 @@ packages=(
   python3-venv                # sushy-tools (Redfish emulator) in a project-local venv
   qemu-system-x86 ipxe-qemu   # lab hosts and the real-iPXE boot test
   ipxe                        # undionly.kpxe / ipxe.efi served over TFTP
+  ovmf                        # UEFI lab hosts (EDK2 PXE and HTTP Boot)
+  iproute2 dnsmasq-base       # the bridged lab network; dnsmasq plays the site's DHCP server
   busybox-static cpio kmod    # the lab OS initramfs
 )
 missing=()

@@ -29,7 +29,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the controllers and the boot service against the cluster named by the kubeconfig.
-    Manager(ManagerArgs),
+    Manager(Box<ManagerArgs>),
     /// Print every CRD as YAML, or write one file per CRD into a directory.
     Crds {
         #[arg(long)]
@@ -93,6 +93,33 @@ pub struct ManagerArgs {
     /// Directory TFTP serves iPXE binaries from.
     #[arg(long, default_value = "/usr/lib/ipxe")]
     pub tftp_root: PathBuf,
+    /// DHCP on the provisioning network: `proxy` answers PXE and HTTP-boot firmware with the
+    /// boot server and program (never an address; the site's DHCP server keeps doing that), and
+    /// only for hosts being provisioned; `off` leaves network-boot options to the site's server.
+    #[arg(long, value_enum, default_value_t = DhcpMode::Proxy, env = "METALBOOT_DHCP")]
+    pub dhcp: DhcpMode,
+    /// The interface facing the hosts (default: all).
+    #[arg(long, env = "METALBOOT_DHCP_INTERFACE", default_value = "")]
+    pub dhcp_interface: String,
+    /// metalboot's IPv4 address on the provisioning network (default: the advertise URL's host).
+    #[arg(long)]
+    pub dhcp_server_ip: Option<std::net::Ipv4Addr>,
+    /// Answer every PXE client, not only hosts being provisioned.
+    #[arg(long)]
+    pub dhcp_answer_all: bool,
+    /// Boot program for legacy BIOS PXE (client architecture 0), served over TFTP.
+    #[arg(long, default_value = "undionly.kpxe")]
+    pub boot_file_bios: String,
+    /// Boot program for x86-64 UEFI (architectures 7, 9; HTTP Boot 16 gets it over HTTP).
+    #[arg(long, default_value = "ipxe.efi")]
+    pub boot_file_efi_x64: String,
+    /// Boot program for arm64 UEFI (architecture 11; HTTP Boot 19), when the TFTP root has one.
+    #[arg(long, default_value = "snp.efi")]
+    pub boot_file_efi_arm64: String,
+    /// Open the boot service's sockets (HTTP, TFTP, DHCP) in this network namespace (a name
+    /// from `ip netns` or a path); the lab's provisioning network. Default: the process's own.
+    #[arg(long)]
+    pub boot_netns: Option<String>,
     /// Directory served at /artifacts (kernels, initrds).
     #[arg(long)]
     pub artifacts_dir: Option<PathBuf>,
@@ -111,6 +138,13 @@ pub struct ManagerArgs {
     /// Seconds deletion keeps trying an unreachable BMC before releasing the machine anyway.
     #[arg(long, default_value_t = 600)]
     pub deprovision_timeout_seconds: u64,
+}
+
+/// `--dhcp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DhcpMode {
+    Off,
+    Proxy,
 }
 
 /// A group of controllers selectable with `--controllers`.
@@ -134,9 +168,22 @@ impl ManagerArgs {
             })
     }
 
-    pub fn options(&self) -> crate::manager::ManagerOptions {
+    pub fn options(&self) -> std::io::Result<crate::manager::ManagerOptions> {
         let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
-        crate::manager::ManagerOptions {
+        let boot_netns = match &self.boot_netns {
+            Some(name) => crate::boot::netns::NetNamespace::open(name)?,
+            None => crate::boot::netns::NetNamespace::current(),
+        };
+        Ok(crate::manager::ManagerOptions {
+            boot_netns,
+            dhcp: (self.dhcp == DhcpMode::Proxy).then(|| crate::manager::DhcpSettings {
+                interface: non_empty(&self.dhcp_interface),
+                server_ip: self.dhcp_server_ip,
+                answer_all: self.dhcp_answer_all,
+                bios_file: Some(self.boot_file_bios.clone()),
+                efi_x64_file: Some(self.boot_file_efi_x64.clone()),
+                efi_arm64_file: Some(self.boot_file_efi_arm64.clone()),
+            }),
             namespace: non_empty(&self.namespace),
             watch_filter: non_empty(&self.watch_filter),
             controllers: crate::manager::Controllers {
@@ -165,7 +212,7 @@ impl ManagerArgs {
             artifacts_dir: self.artifacts_dir.clone(),
             tftp: (!self.no_tftp).then(|| (self.tftp_bind, self.tftp_root.clone())),
             ..Default::default()
-        }
+        })
     }
 }
 
@@ -263,7 +310,8 @@ async fn dispatch(command: Command) -> Result<(), String> {
             if args.check_connection {
                 return Ok(());
             }
-            let running = crate::manager::start(conn.client, args.options())
+            let options = args.options().map_err(|e| e.to_string())?;
+            let running = crate::manager::start(conn.client, options)
                 .await
                 .map_err(|e| e.to_string())?;
             running.wait().await.map_err(|e| e.to_string())

@@ -10,6 +10,7 @@ use axum::middleware;
 use tokio::task::JoinHandle;
 
 use crate::boot::http::{self as boot_http, BootConfig, BootState, BootStores, CallbackNotice};
+use crate::boot::netns::NetNamespace;
 use crate::controllers::hostbmc::{BmcConnector, RedfishConnector};
 use crate::controllers::{
     Backoff, Events, cloudinitconfig, cluster, machine, metalcluster, metalhost, metalmachine,
@@ -71,6 +72,26 @@ pub struct ManagerOptions {
     pub janitor_interval: Duration,
     /// Budgets of the boot HTTP server (connections, timeouts).
     pub http_limits: crate::boot::serve::HttpLimits,
+    /// The network namespace the boot service's sockets (HTTP, TFTP, DHCP) are created in: the
+    /// process's own, or the lab's provisioning network.
+    pub boot_netns: NetNamespace,
+    /// The proxyDHCP service (None: the site's DHCP server is configured by hand).
+    pub dhcp: Option<DhcpSettings>,
+}
+
+/// How the proxyDHCP service runs.
+#[derive(Clone, Debug, Default)]
+pub struct DhcpSettings {
+    /// The interface facing the hosts (None: all).
+    pub interface: Option<String>,
+    /// metalboot's address on the provisioning network (defaults to the advertise URL's host).
+    pub server_ip: Option<std::net::Ipv4Addr>,
+    /// Answer every PXE client, not only hosts being provisioned.
+    pub answer_all: bool,
+    /// Boot programs per architecture (None: `BootFiles` defaults).
+    pub bios_file: Option<String>,
+    pub efi_x64_file: Option<String>,
+    pub efi_arm64_file: Option<String>,
 }
 
 impl Default for ManagerOptions {
@@ -92,6 +113,8 @@ impl Default for ManagerOptions {
             tftp: None,
             janitor_interval: Duration::from_secs(60),
             http_limits: Default::default(),
+            boot_netns: NetNamespace::current(),
+            dhcp: None,
         }
     }
 }
@@ -108,6 +131,8 @@ pub enum ManagerError {
     NoAdvertiseAddress(SocketAddr),
     #[error("TFTP: {0}")]
     Tftp(String),
+    #[error("DHCP: {0}")]
+    Dhcp(String),
     #[error("iPXE templates: {0}")]
     Templates(#[from] minijinja::Error),
     #[error(transparent)]
@@ -192,8 +217,9 @@ pub async fn start(
         Some(leadership) => leadership.fenced(client),
         None => client,
     };
-    let listener = tokio::net::TcpListener::bind(opts.boot_http)
-        .await
+    let listener = opts
+        .boot_netns
+        .tcp_listener(opts.boot_http)
         .map_err(|source| ManagerError::Bind {
             addr: opts.boot_http,
             source,
@@ -311,6 +337,39 @@ pub async fn start(
     Ok(running)
 }
 
+/// The DHCP service's configuration from the manager's: the server address defaults to the
+/// advertise URL's host, which must then be an IPv4 address (DHCP carries no names).
+fn dhcp_config(
+    settings: &DhcpSettings,
+    base_url: &str,
+) -> Result<crate::boot::dhcpd::DhcpConfig, ManagerError> {
+    let server_ip = match settings.server_ip {
+        Some(ip) => ip,
+        None => base_url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.host().and_then(|h| h.parse().ok()))
+            .ok_or_else(|| {
+                ManagerError::Dhcp(format!(
+                    "the advertise URL {base_url} has no IPv4 address; pass --dhcp-server-ip"
+                ))
+            })?,
+    };
+    let mut files = crate::boot::dhcp::BootFiles::new(base_url);
+    let set = |field: &mut String, value: &Option<String>| {
+        if let Some(v) = value {
+            *field = v.clone();
+        }
+    };
+    set(&mut files.bios, &settings.bios_file);
+    set(&mut files.efi_x64, &settings.efi_x64_file);
+    set(&mut files.efi_arm64, &settings.efi_arm64_file);
+    let mut config = crate::boot::dhcpd::DhcpConfig::new(server_ip, files);
+    config.interface = settings.interface.clone();
+    config.answer_all = settings.answer_all;
+    Ok(config)
+}
+
 /// Probes and metrics for a process that serves no hosts (the bootstrap provider).
 fn health_router() -> axum::Router {
     use axum::routing::get;
@@ -332,8 +391,7 @@ async fn start_infrastructure(
     let watch_filter = opts.watch_filter.clone();
     let tftp = match &opts.tftp {
         Some((addr, root)) => Some(
-            crate::boot::tftp::Tftp::bind(*addr, root)
-                .await
+            crate::boot::tftp::Tftp::bind_in(&opts.boot_netns, *addr, root, Default::default())
                 .map_err(ManagerError::Tftp)?,
         ),
         None => None,
@@ -422,8 +480,27 @@ async fn start_infrastructure(
             crate::boot::artifacts::artifacts_router(dir.clone()),
         );
     }
+    if let Some((_, root)) = &opts.tftp {
+        // UEFI HTTP Boot clients fetch the same programs PXE clients get over TFTP.
+        router = router.nest_service("/nbp", tower_http::services::ServeDir::new(root));
+    }
     let app = router.layer(middleware::from_fn(boot_http::access_log));
+    if let Some(settings) = &opts.dhcp {
+        let dhcp = crate::boot::dhcpd::DhcpService::bind(
+            &opts.boot_netns,
+            dhcp_config(settings, &running.base_url)?,
+            state.clone(),
+        )
+        .map_err(|e| ManagerError::Dhcp(e.to_string()))?;
+        tracing::info!(ports = ?dhcp.ports(), interface = ?settings.interface, "proxyDHCP service listening");
+        running.tasks.push(tokio::spawn(async move {
+            if let Err(e) = dhcp.serve().await {
+                tracing::error!(error = %e, "proxyDHCP service stopped");
+            }
+        }));
+    }
     if let Some(tftp) = tftp {
+        let tftp = tftp.with_observer(state.clone());
         tracing::info!(listen = ?running.tftp_addr, "boot TFTP service listening");
         running.tasks.push(tokio::spawn(async move {
             if let Err(e) = tftp.serve().await {

@@ -21,6 +21,7 @@ pub struct Metrics {
     pub events_suppressed: Family<Labels, Counter>,
     pub callbacks: Family<Labels, Counter>,
     pub tftp_transfers: Family<Labels, Counter>,
+    pub dhcp_packets: Family<Labels, Counter>,
     pub bmc_errors: Family<Labels, Counter>,
     pub hosts: Family<Labels, Gauge>,
     pub provisioning_seconds: Family<Labels, Histogram>,
@@ -54,6 +55,7 @@ pub fn metrics() -> &'static Metrics {
             events_suppressed: Family::default(),
             callbacks: Family::default(),
             tftp_transfers: Family::default(),
+            dhcp_packets: Family::default(),
             bmc_errors: Family::default(),
             hosts: Family::default(),
             provisioning_seconds: Family::new_with_constructor(histogram),
@@ -91,6 +93,11 @@ pub fn metrics() -> &'static Metrics {
             "boot_tftp_transfers",
             "TFTP transfers by file and result",
             m.tftp_transfers.clone(),
+        );
+        registry.register(
+            "boot_dhcp_packets",
+            "DHCP packets received by the proxyDHCP service, by outcome",
+            m.dhcp_packets.clone(),
         );
         registry.register("bmc_errors", "BMC errors by reason", m.bmc_errors.clone());
         registry.register("hosts", "MetalHosts by state", m.hosts.clone());
@@ -196,6 +203,13 @@ pub fn record_tftp(file: &str, result: &str) {
     metrics()
         .tftp_transfers
         .get_or_create(&labels(&[("file", file), ("result", result)]))
+        .inc();
+}
+
+pub fn record_dhcp(outcome: &str) {
+    metrics()
+        .dhcp_packets
+        .get_or_create(&labels(&[("outcome", outcome)]))
         .inc();
 }
 

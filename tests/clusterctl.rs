@@ -136,12 +136,14 @@ async fn clusterctl_installs_metalboot_beside_upstream_core_and_deletes_only_met
     capi::install_cert_manager_crds(&client).await;
     let clusterctl = Clusterctl::new(&plane.kubeconfig_path);
 
-    // The ports are the only variables set beyond defaults: this test runs on a shared machine.
+    // The ports and DHCP are the only variables set beyond defaults: this test runs on a shared
+    // machine, where metalboot must not listen for DHCP outside a namespace a test made.
     let http_port = free_port().to_string();
     let tftp_port = free_port().to_string();
     let vars = [
         ("METALBOOT_BOOT_HTTP_PORT", http_port.as_str()),
         ("METALBOOT_TFTP_PORT", tftp_port.as_str()),
+        ("METALBOOT_DHCP", "off"),
     ];
     let listed = clusterctl.run(
         &[

@@ -337,9 +337,14 @@ fn dhcp_requests_get_a_proxy_answer_or_none() {
                 }),
         ],
         |packet| {
-            if let Some(reply) = metalboot::boot::dhcp::answer(&packet, &files, server) {
+            let _ = metalboot::boot::dhcp::requested_address(&packet);
+            // Both ports: 67 answers DISCOVERs, 4011 REQUESTs.
+            let pxe_port = packet.len() % 2 == 0;
+            if let Ok(reply) =
+                metalboot::boot::dhcp::answer(&packet, &files, server, pxe_port, |_| true)
+            {
                 answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let reply = v4::Message::decode(&mut dhcproto::Decoder::new(&reply))
+                let reply = v4::Message::decode(&mut dhcproto::Decoder::new(&reply.packet))
                     .map_err(|e| TestCaseError::fail(format!("our reply does not decode: {e}")))?;
                 prop_assert_eq!(reply.yiaddr(), std::net::Ipv4Addr::UNSPECIFIED);
                 prop_assert_eq!(reply.siaddr(), server);

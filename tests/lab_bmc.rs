@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use metalboot::bmc::Credentials;
 use metalboot::bmc::redfish::RedfishOptions;
-use metalboot::lab::qemu::{Accel, QemuHost, QemuHostSpec};
+use metalboot::lab::qemu::{Accel, Firmware, HostNetwork, QemuHost, QemuHostSpec};
 use metalboot::lab::vbmc::{VirtualBmc, router};
 
 #[tokio::test]
@@ -20,7 +20,10 @@ async fn the_lab_bmc_passes_the_redfish_conformance_suite() {
         mac: "52:54:00:6d:62:00".into(),
         memory_mib: 256,
         // Nothing answers here: the guest's iPXE just retries; the test is about the BMC.
-        bootfile_url: "http://10.0.2.2:9/boot.ipxe".into(),
+        network: HostNetwork::User {
+            bootfile_url: "http://10.0.2.2:9/boot.ipxe".into(),
+        },
+        firmware: Firmware::Bios,
         dir: dir.path().join("lab-host-0"),
         accel: Accel::Tcg,
         graceful_seconds: 2,

@@ -121,7 +121,14 @@ impl Replica {
             .args(["--log-format", "text", "manager", "--kubeconfig"])
             .arg(&plane.kubeconfig_path)
             .args(["--namespace", ns, "--leader-election-namespace", ns])
-            .args(["--leader-elect", "--no-tftp", "--standalone", "false"])
+            .args([
+                "--leader-elect",
+                "--no-tftp",
+                "--dhcp",
+                "off",
+                "--standalone",
+                "false",
+            ])
             .args([
                 "--leader-elect-lease-seconds",
                 &LEASE_SECONDS.to_string(),

@@ -58,7 +58,15 @@ fn start_manager(ns: &str, boot: SocketAddr, log: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_metalboot"))
         .args(["--log-format", "text", "manager", "--kubeconfig"])
         .arg(&support::control_plane().kubeconfig_path)
-        .args(["--namespace", ns, "--no-tftp", "--standalone", "true"])
+        .args([
+            "--namespace",
+            ns,
+            "--no-tftp",
+            "--dhcp",
+            "off",
+            "--standalone",
+            "true",
+        ])
         .args(["--boot-http-bind", &boot.to_string()])
         .args(["--power-poll-seconds", "10", "--graceful-off-seconds", "5"])
         .env("RUST_LOG", "info,metalboot=debug,kube_runtime=warn")

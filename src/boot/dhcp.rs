@@ -2,9 +2,7 @@
 //! site's DHCP server hands out addresses; metalboot answers only PXE and HTTP-boot clients, with
 //! the boot server and file, never with an address. Packets are decoded and encoded by `dhcproto`;
 //! this module is pure (no sockets), so each rule is table-tested and the whole path is fuzzed.
-//!
-//! Not wired into the manager yet (issue 14): the listener on :67/:4011, the MetalHost filter and
-//! the bridged lab network come next.
+//! The sockets are in `dhcpd`.
 
 use std::net::Ipv4Addr;
 
@@ -88,12 +86,7 @@ pub fn classify(msg: &Message) -> Client {
         msg.opts().get(OptionCode::UserClass),
         Some(DhcpOption::UserClass(class)) if class.windows(4).any(|w| w == b"iPXE")
     ) || msg.opts().get(OptionCode::Unknown(175)).is_some();
-    let mac = msg
-        .chaddr()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
+    let mac = mac_text(msg.chaddr());
     Client::Boot {
         mac,
         arch,
@@ -179,14 +172,113 @@ pub fn proxy_reply(
     reply
 }
 
-/// One decision from raw bytes to raw bytes: `None` for anything metalboot does not answer
-/// (undecodable, not a boot client, no program for its architecture).
-pub fn answer(packet: &[u8], files: &BootFiles, server: Ipv4Addr) -> Option<Vec<u8>> {
+/// Why a packet got no answer (a metric label; never an error: silence is the protocol's answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ignored {
+    /// Not a DHCP message `dhcproto` can decode.
+    Malformed,
+    /// Not a PXE or HTTP-boot client, or not a DISCOVER/REQUEST: the site's DHCP server's job.
+    NotBootClient,
+    /// A boot client whose MAC is not a host metalboot is provisioning now.
+    NotProvisioning,
+    /// No boot program for the client's architecture.
+    NoProgram,
+    /// A DHCPREQUEST broadcast to the site's server (it selects that server's address offer);
+    /// a proxy answers requests only on the PXE port.
+    ForTheSiteServer,
+}
+
+impl Ignored {
+    pub fn label(self) -> &'static str {
+        match self {
+            Ignored::Malformed => "malformed",
+            Ignored::NotBootClient => "not-boot-client",
+            Ignored::NotProvisioning => "not-provisioning",
+            Ignored::NoProgram => "no-program",
+            Ignored::ForTheSiteServer => "for-site-server",
+        }
+    }
+}
+
+/// A reply to send, and what it says (for the log and the per-hop timeline).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub mac: String,
+    pub offer: BootOffer,
+    /// DHCPOFFER (to a DISCOVER) or DHCPACK (to a REQUEST).
+    pub discover: bool,
+    pub packet: Vec<u8>,
+    /// The request's relay agent and client addresses, which say where the reply goes.
+    pub giaddr: Ipv4Addr,
+    pub ciaddr: Ipv4Addr,
+}
+
+/// One decision from raw bytes to raw bytes. `wanted(mac)` says whether the boot client is one
+/// metalboot should answer (by default: a MetalHost it is provisioning now). On the DHCP port
+/// only DISCOVERs are answered; on the PXE port (4011) REQUESTs are.
+pub fn answer(
+    packet: &[u8],
+    files: &BootFiles,
+    server: Ipv4Addr,
+    pxe_port: bool,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<Answer, Ignored> {
     use dhcproto::{Decodable, Encodable};
-    let request = Message::decode(&mut dhcproto::Decoder::new(packet)).ok()?;
+    let request =
+        Message::decode(&mut dhcproto::Decoder::new(packet)).map_err(|_| Ignored::Malformed)?;
     let client = classify(&request);
-    let offer = boot_offer(&client, files)?;
-    proxy_reply(&request, &client, &offer, server).to_vec().ok()
+    let Client::Boot { mac, discover, .. } = &client else {
+        return Err(Ignored::NotBootClient);
+    };
+    if !*discover && !pxe_port {
+        return Err(Ignored::ForTheSiteServer);
+    }
+    if !wanted(mac) {
+        return Err(Ignored::NotProvisioning);
+    }
+    let offer = boot_offer(&client, files).ok_or(Ignored::NoProgram)?;
+    let packet = proxy_reply(&request, &client, &offer, server)
+        .to_vec()
+        .map_err(|_| Ignored::Malformed)?;
+    Ok(Answer {
+        mac: mac.clone(),
+        discover: *discover,
+        offer,
+        packet,
+        giaddr: request.giaddr(),
+        ciaddr: request.ciaddr(),
+    })
+}
+
+/// The address a client takes from the site's server, from its broadcast DHCPREQUEST (option 50,
+/// or `ciaddr` when renewing): how TFTP and HTTP clients, known only by address, are matched
+/// to a MAC and so to a host.
+pub fn requested_address(packet: &[u8]) -> Option<(String, Ipv4Addr)> {
+    use dhcproto::Decodable;
+    let request = Message::decode(&mut dhcproto::Decoder::new(packet)).ok()?;
+    if request.opts().msg_type() != Some(MessageType::Request)
+        || request.htype() != HType::Eth
+        || request.hlen() != 6
+    {
+        return None;
+    }
+    let ip = match request.opts().get(OptionCode::RequestedIpAddress) {
+        Some(DhcpOption::RequestedIpAddress(ip)) => *ip,
+        _ => request.ciaddr(),
+    };
+    if ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast() {
+        return None;
+    }
+    Some((mac_text(request.chaddr()), ip))
+}
+
+fn mac_text(chaddr: &[u8]) -> String {
+    chaddr
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 #[cfg(test)]
@@ -319,8 +411,17 @@ mod tests {
             Some(7),
             None,
         );
-        let bytes = answer(&req.to_vec().expect("encode"), &files, SERVER).expect("an answer");
-        let reply = Message::decode(&mut dhcproto::Decoder::new(&bytes)).expect("decode");
+        let answered = answer(
+            &req.to_vec().expect("encode"),
+            &files,
+            SERVER,
+            false,
+            |_| true,
+        )
+        .expect("an answer");
+        assert_eq!(answered.mac, "52:54:00:aa:00:01");
+        assert!(answered.discover);
+        let reply = Message::decode(&mut dhcproto::Decoder::new(&answered.packet)).expect("decode");
         assert_eq!(reply.opcode(), Opcode::BootReply);
         assert_eq!(reply.xid(), 0x1234_5678);
         assert_eq!(reply.chaddr(), &MAC);
@@ -352,7 +453,65 @@ mod tests {
     fn garbage_gets_no_answer() {
         let files = BootFiles::new("http://10.0.0.2:8080");
         for packet in [&b""[..], &[0u8; 10], &[1u8; 300], &[0xff; 600]] {
-            assert_eq!(answer(packet, &files, SERVER), None);
+            let got = answer(packet, &files, SERVER, false, |_| true);
+            assert!(
+                matches!(got, Err(Ignored::Malformed | Ignored::NotBootClient)),
+                "{got:?}"
+            );
         }
+    }
+
+    #[test]
+    fn only_wanted_boot_clients_are_answered() {
+        let files = BootFiles::new("http://10.0.0.2:8080");
+        let pxe = request(MessageType::Discover, Some(b"PXEClient"), Some(0), None)
+            .to_vec()
+            .expect("encode");
+        let plain = request(MessageType::Discover, None, None, None)
+            .to_vec()
+            .expect("encode");
+        let odd_arch = request(MessageType::Discover, Some(b"PXEClient"), Some(2), None)
+            .to_vec()
+            .expect("encode");
+        let only = |m: &str| m == "52:54:00:aa:00:01";
+        assert!(answer(&pxe, &files, SERVER, false, only).is_ok());
+        assert_eq!(
+            answer(&pxe, &files, SERVER, false, |_| false),
+            Err(Ignored::NotProvisioning)
+        );
+        assert_eq!(
+            answer(&plain, &files, SERVER, false, |_| true),
+            Err(Ignored::NotBootClient),
+            "a plain DHCP client is never answered, even for a wanted MAC"
+        );
+        assert_eq!(
+            answer(&odd_arch, &files, SERVER, false, |_| true),
+            Err(Ignored::NoProgram)
+        );
+    }
+
+    #[test]
+    fn requests_are_answered_on_the_pxe_port_only_and_teach_the_address() {
+        let files = BootFiles::new("http://10.0.0.2:8080");
+        let mut req = request(MessageType::Request, Some(b"PXEClient"), Some(7), None);
+        req.opts_mut()
+            .insert(DhcpOption::RequestedIpAddress([10, 0, 0, 150].into()));
+        let bytes = req.to_vec().expect("encode");
+        assert_eq!(
+            answer(&bytes, &files, SERVER, false, |_| true),
+            Err(Ignored::ForTheSiteServer)
+        );
+        let acked = answer(&bytes, &files, SERVER, true, |_| true).expect("an ACK on 4011");
+        assert!(!acked.discover);
+        assert_eq!(
+            requested_address(&bytes),
+            Some((
+                "52:54:00:aa:00:01".to_string(),
+                Ipv4Addr::new(10, 0, 0, 150)
+            ))
+        );
+        let discover = request(MessageType::Discover, Some(b"PXEClient"), Some(7), None);
+        assert_eq!(requested_address(&discover.to_vec().expect("encode")), None);
+        assert_eq!(requested_address(b"garbage"), None);
     }
 }

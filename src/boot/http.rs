@@ -49,6 +49,18 @@ pub struct BootConfig {
 /// Milestones of a host's boot, broadcast for whoever watches (the lab's timings table, metrics).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BootEvent {
+    /// The proxyDHCP service told the host with this boot MAC where its boot program is.
+    DhcpAnswered {
+        mac: String,
+        host: String,
+        offer: String,
+    },
+    /// The TFTP server sent a whole file to the host with this boot MAC.
+    TftpDone {
+        mac: String,
+        host: String,
+        file: String,
+    },
     /// A provisioning iPXE script was served to the host with this boot MAC.
     ScriptServed { mac: String, host: String },
     /// A NoCloud document was served for this attempt.
@@ -91,6 +103,9 @@ pub struct BootState {
     /// Stores have synced: before that every host would look unknown.
     ready: std::sync::atomic::AtomicBool,
     events: tokio::sync::broadcast::Sender<BootEvent>,
+    /// Address → boot MAC of hosts being provisioned, learned from their DHCP requests, so TFTP
+    /// (which sees only addresses) can say which host a transfer was for.
+    addresses: Mutex<HashMap<IpAddr, String>>,
 }
 
 /// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
@@ -262,6 +277,7 @@ impl BootState {
             seen: Mutex::new(SeenTokens::default()),
             ready: std::sync::atomic::AtomicBool::new(false),
             events: tokio::sync::broadcast::channel(256).0,
+            addresses: Mutex::new(HashMap::new()),
         })
     }
 
@@ -293,6 +309,15 @@ impl BootState {
             .state()
             .into_iter()
             .find(|h| ipxe::normalize_mac(&h.spec.boot_mac_address).as_deref() == Some(mac))
+    }
+
+    /// The host behind a boot MAC and its current attempt, when it has one that has not called
+    /// back yet: the hosts the proxyDHCP service answers.
+    fn provisioning_host(&self, mac: &str) -> Option<Arc<MetalHost>> {
+        let host = self.host_by_mac(mac)?;
+        let consumer = host.spec.consumer_ref.as_ref()?;
+        let record = self.current_record(&host.namespace().unwrap_or_default(), &consumer.name)?;
+        record.callback.is_none().then_some(host)
     }
 
     fn machine(&self, namespace: &str, name: &str) -> Option<Arc<MetalMachine>> {
@@ -443,6 +468,56 @@ enum TokenLookup {
     /// Not a current token, but one this service served before.
     Replayed(Option<Arc<MetalMachine>>),
     Unknown,
+}
+
+impl crate::boot::dhcpd::BootClients for BootState {
+    fn provisioning(&self, mac: &str) -> bool {
+        self.provisioning_host(mac).is_some()
+    }
+
+    fn address_learned(&self, mac: &str, ip: std::net::Ipv4Addr) {
+        if let Ok(mut addresses) = self.addresses.lock() {
+            // Only hosts being provisioned get here; the bound is against a misbehaving fleet.
+            if addresses.len() >= 65_536 {
+                addresses.clear();
+            }
+            addresses.insert(IpAddr::V4(ip), mac.to_string());
+        }
+    }
+
+    fn answered(&self, answer: &crate::boot::dhcp::Answer) {
+        let offer = match &answer.offer {
+            crate::boot::dhcp::BootOffer::Tftp { file } => format!("tftp:{file}"),
+            crate::boot::dhcp::BootOffer::Http { url } => url.clone(),
+        };
+        self.publish(BootEvent::DhcpAnswered {
+            mac: answer.mac.clone(),
+            host: self
+                .host_by_mac(&answer.mac)
+                .map(|h| h.name_any())
+                .unwrap_or_default(),
+            offer,
+        });
+    }
+}
+
+impl crate::boot::tftp::TransferObserver for BootState {
+    fn transfer_done(&self, client: SocketAddr, file: &str) {
+        let mac = self
+            .addresses
+            .lock()
+            .ok()
+            .and_then(|a| a.get(&client.ip()).cloned());
+        let host = mac.as_deref().and_then(|m| self.host_by_mac(m));
+        tracing::info!(client = %client, mac = mac.as_deref().unwrap_or("unknown"), host = ?host.as_ref().map(|h| h.name_any()), file, "TFTP transfer done");
+        if let (Some(mac), Some(host)) = (mac, host) {
+            self.publish(BootEvent::TftpDone {
+                mac,
+                host: host.name_any(),
+                file: file.to_string(),
+            });
+        }
+    }
 }
 
 /// The client's address when the request came over a socket (absent in socket-less tests).

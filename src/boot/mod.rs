@@ -6,8 +6,10 @@
 pub mod artifacts;
 pub mod budget;
 pub mod dhcp;
+pub mod dhcpd;
 pub mod http;
 pub mod ipxe;
+pub mod netns;
 pub mod nocloud;
 pub mod serve;
 pub mod tftp;

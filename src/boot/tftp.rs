@@ -24,6 +24,7 @@ use tokio::net::UdpSocket;
 
 use super::artifacts::check_relative_path;
 use super::budget::{ClientSlots, Slot};
+use super::netns::NetNamespace;
 
 /// Longest file name accepted (TFTP has no limit of its own; firmware never needs more).
 pub const MAX_NAME: usize = 255;
@@ -253,11 +254,19 @@ pub fn negotiate(
 }
 
 /// A bound TFTP server; `serve` runs it until the process ends.
+/// Told when a transfer completed (the boot service maps the address to a host).
+pub trait TransferObserver: Send + Sync + 'static {
+    fn transfer_done(&self, client: SocketAddr, file: &str);
+}
+
 pub struct Tftp {
     socket: Arc<UdpSocket>,
     root: PathBuf,
     limits: TftpLimits,
     transfers: Arc<ClientSlots>,
+    /// Where transfer sockets are created: the namespace the listener is in.
+    netns: NetNamespace,
+    observer: Option<Arc<dyn TransferObserver>>,
 }
 
 impl Tftp {
@@ -270,17 +279,35 @@ impl Tftp {
         root: &Path,
         limits: TftpLimits,
     ) -> Result<Self, String> {
+        Self::bind_in(&NetNamespace::current(), addr, root, limits)
+    }
+
+    /// Listens on `addr` inside `netns`; transfers get their ports there too.
+    pub fn bind_in(
+        netns: &NetNamespace,
+        addr: SocketAddr,
+        root: &Path,
+        limits: TftpLimits,
+    ) -> Result<Self, String> {
         let root = std::fs::canonicalize(root)
             .map_err(|e| format!("TFTP root {}: {e}", root.display()))?;
-        let socket = UdpSocket::bind(addr)
-            .await
+        let socket = netns
+            .udp_socket(addr, None, false)
             .map_err(|e| format!("binding TFTP to {addr}: {e}"))?;
         Ok(Self {
             socket: Arc::new(socket),
             root,
             transfers: ClientSlots::new(limits.max_transfers, limits.max_per_client),
             limits,
+            netns: netns.clone(),
+            observer: None,
         })
+    }
+
+    /// Reports each completed transfer to `observer`.
+    pub fn with_observer(mut self, observer: Arc<dyn TransferObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// Transfers in flight now.
@@ -330,6 +357,8 @@ impl Tftp {
                         continue;
                     }
                     let transfer = Transfer {
+                        observer: self.observer.clone(),
+                        netns: self.netns.clone(),
                         root: self.root.clone(),
                         limits: self.limits.clone(),
                         client,
@@ -359,6 +388,8 @@ impl Tftp {
 
 /// One read transfer, on a port of its own (its transfer ID), holding its slot until it ends.
 struct Transfer {
+    observer: Option<Arc<dyn TransferObserver>>,
+    netns: NetNamespace,
     root: PathBuf,
     limits: TftpLimits,
     client: SocketAddr,
@@ -380,7 +411,10 @@ impl Transfer {
     async fn run(self, requested: String, options: Vec<(String, String)>) {
         // Names come from anyone on the network: cut short, and logged escaped (`?`).
         let shown: String = requested.chars().take(80).collect();
-        let socket = match UdpSocket::bind((self.local_ip, 0)).await {
+        let socket = match self
+            .netns
+            .udp_socket(SocketAddr::new(self.local_ip, 0), None, false)
+        {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(client = %self.client, error = %e, "TFTP: no port for a transfer");
@@ -445,9 +479,10 @@ impl Transfer {
             }
         };
         match ended {
-            Ended::Done => {
-                tracing::debug!(client = %self.client, file = %name, "TFTP transfer done")
-            }
+            Ended::Done => match &self.observer {
+                Some(observer) => observer.transfer_done(self.client, &name),
+                None => tracing::debug!(client = %self.client, file = %name, "TFTP transfer done"),
+            },
             Ended::ClientError => {
                 crate::metrics::record_tftp(&name, "client-error");
                 tracing::info!(client = %self.client, file = %name, "TFTP transfer ended by the client's ERROR")

@@ -15,8 +15,36 @@ use tokio::sync::Mutex;
 
 use crate::api::metalhost::PowerState;
 
-/// UEFI firmware for lab hosts booted in UEFI mode (Debian package `ovmf`).
+/// UEFI firmware for lab hosts booted in UEFI mode (Debian package `ovmf`). As `-bios`, its
+/// variables live in memory: every power-on starts from the defaults, like a fresh VARS copy.
 const OVMF: &str = "/usr/share/ovmf/OVMF.fd";
+
+/// How a host's firmware network-boots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Firmware {
+    /// SeaBIOS; the NIC's iPXE option ROM does DHCP and boots.
+    Bios,
+    /// OVMF with the NIC's option ROM removed (`romfile=`): EDK2's own PXE does DHCP and
+    /// fetches the boot program over TFTP.
+    UefiPxe,
+    /// OVMF with PXE switched off (fw_cfg `IPv4PXESupport`/`IPv6PXESupport`): EDK2 HTTP Boot.
+    UefiHttp,
+}
+
+impl Firmware {
+    pub fn uefi(self) -> bool {
+        self != Firmware::Bios
+    }
+}
+
+/// How a host is wired.
+#[derive(Debug, Clone)]
+pub enum HostNetwork {
+    /// QEMU's user-mode network; its built-in DHCP hands iPXE this boot file URL.
+    User { bootfile_url: String },
+    /// A tap device in a network namespace (the bridged lab network); QEMU runs in it.
+    Tap { netns: String, ifname: String },
+}
 
 /// How QEMU executes guest code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,8 +68,8 @@ pub struct QemuHostSpec {
     pub uuid: String,
     pub mac: String,
     pub memory_mib: u32,
-    /// DHCP bootfile the NIC's iPXE fetches, e.g. `http://10.0.2.2:8080/boot.ipxe`.
-    pub bootfile_url: String,
+    pub network: HostNetwork,
+    pub firmware: Firmware,
     /// Per-host directory: QMP socket, serial log.
     pub dir: PathBuf,
     pub accel: Accel,
@@ -164,14 +192,43 @@ impl QemuHost {
         std::fs::create_dir_all(&self.spec.dir).map_err(spawn_err)?;
         let _ = std::fs::remove_file(self.qmp_socket());
         let once = inner.boot.enabled != "Disabled" && inner.boot.target == "Pxe";
-        let mut cmd = Command::new("qemu-system-x86_64");
-        if inner.boot.mode == "UEFI" {
+        let mut cmd = match &self.spec.network {
+            HostNetwork::User { .. } => Command::new("qemu-system-x86_64"),
+            HostNetwork::Tap { netns, .. } => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", netns, "qemu-system-x86_64"]);
+                cmd
+            }
+        };
+        // A BIOS host asked for UEFI boots EDK2's PXE (the override is the operator's intent).
+        let firmware = match (self.spec.firmware, inner.boot.mode.as_str()) {
+            (Firmware::Bios, "UEFI") => Firmware::UefiPxe,
+            (firmware, _) => firmware,
+        };
+        if firmware.uefi() {
             if Path::new(OVMF).exists() {
                 cmd.args(["-bios", OVMF]);
+                // IPv6 is not on the lab network: no PXEv6/HTTPv6 wait.
+                cmd.args(["-fw_cfg", "name=opt/org.tianocore/IPv6PXESupport,string=n"]);
+                if firmware == Firmware::UefiHttp {
+                    cmd.args(["-fw_cfg", "name=opt/org.tianocore/IPv4PXESupport,string=n"]);
+                }
             } else {
                 tracing::info!(host = %self.spec.name, "UEFI boot requested but {OVMF} is absent (package ovmf); booting SeaBIOS");
             }
         }
+        let netdev = match &self.spec.network {
+            HostNetwork::User { bootfile_url } => format!("user,id=net0,bootfile={bootfile_url}"),
+            HostNetwork::Tap { ifname, .. } => {
+                format!("tap,id=net0,ifname={ifname},script=no,downscript=no")
+            }
+        };
+        // EDK2's own network stack runs only without the NIC's iPXE option ROM.
+        let romfile = if firmware.uefi() && Path::new(OVMF).exists() {
+            ",romfile="
+        } else {
+            ""
+        };
         cmd.args(["-name", &self.spec.name])
             .args(["-machine", &format!("pc,accel={}", self.spec.accel.name())])
             .args(["-m", &self.spec.memory_mib.to_string(), "-smp", "1"])
@@ -189,14 +246,11 @@ impl QemuHost {
                 "-qmp",
                 &format!("unix:{},server=on,wait=off", self.qmp_socket().display()),
             ])
-            .args([
-                "-netdev",
-                &format!("user,id=net0,bootfile={}", self.spec.bootfile_url),
-            ])
+            .args(["-netdev", &netdev])
             .args([
                 "-device",
                 &format!(
-                    "virtio-net-pci,netdev=net0,mac={},bootindex=1",
+                    "virtio-net-pci,netdev=net0,mac={},bootindex=1{romfile}",
                     self.spec.mac
                 ),
             ])

@@ -217,7 +217,10 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                 uuid: format!("6d62a1b0-0000-4000-8000-{i:012x}"),
                 mac: mac_of(i),
                 memory_mib: opts.memory_mib,
-                bootfile_url: format!("{boot_url}/boot.ipxe"),
+                network: super::qemu::HostNetwork::User {
+                    bootfile_url: format!("{boot_url}/boot.ipxe"),
+                },
+                firmware: super::qemu::Firmware::Bios,
                 dir: dir.join("hosts").join(format!("lab-host-{i}")),
                 accel,
                 graceful_seconds: 5,

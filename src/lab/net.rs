@@ -1,0 +1,195 @@
+//! The lab's provisioning network: a Layer-2 segment that exists only inside network namespaces
+//! the lab creates, so real firmware does real DHCP, PXE and TFTP without touching the machine's
+//! own network.
+//!
+//! ```text
+//!  netns <name>:          br0 10.77.0.2/24 ── metalboot's boot sockets (HTTP, TFTP, proxyDHCP)
+//!                          ├── tap<i> ── QEMU host i (QEMU runs in this namespace)
+//!                          └── site0 ──veth── netns <name>-site: site1 10.77.0.1/24, dnsmasq
+//! ```
+//!
+//! dnsmasq plays the site's DHCP server (addresses only, no PXE options), as operators usually
+//! do not own it; metalboot answers the boot clients with proxyDHCP. Same addresses in every lab
+//! or test: each lives in namespaces of its own. Needs root (or CAP_NET_ADMIN), `ip`, `/dev/net/tun`
+//! and dnsmasq (Debian `iproute2`, `dnsmasq-base`). Dropping the network kills dnsmasq and deletes
+//! both namespaces, which deletes every interface in them.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use crate::boot::netns::NetNamespace;
+
+pub const BRIDGE: &str = "br0";
+pub const BOOT_IP: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+pub const SITE_IP: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+/// The site server's pool.
+pub const POOL: (Ipv4Addr, Ipv4Addr) =
+    (Ipv4Addr::new(10, 77, 0, 100), Ipv4Addr::new(10, 77, 0, 199));
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("`{command}` failed: {message}")]
+    Command { command: String, message: String },
+    #[error("dnsmasq: {0}")]
+    Dnsmasq(String),
+}
+
+pub struct LabNetwork {
+    /// The provisioning network's namespace (bridge, taps, metalboot's sockets, QEMU).
+    pub netns: String,
+    /// The site DHCP server's namespace.
+    pub site_netns: String,
+    dnsmasq: Option<Child>,
+    pub dnsmasq_log: Option<PathBuf>,
+    pub dnsmasq_leases: Option<PathBuf>,
+}
+
+/// Runs `ip <args>`; a clear error with ip's own message when it fails.
+fn ip(args: &[&str]) -> Result<(), NetError> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| NetError::Command {
+            command: format!("ip {}", args.join(" ")),
+            message: e.to_string(),
+        })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(NetError::Command {
+        command: format!("ip {}", args.join(" ")),
+        message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
+}
+
+impl LabNetwork {
+    /// Creates the namespaces, the bridge and the site link; deletes leftovers of the same name
+    /// first (a lab killed hard).
+    pub fn create(name: &str) -> Result<Self, NetError> {
+        let site = format!("{name}-site");
+        for ns in [name, site.as_str()] {
+            let _ = ip(&["netns", "del", ns]);
+        }
+        let net = LabNetwork {
+            netns: name.to_string(),
+            site_netns: site.clone(),
+            dnsmasq: None,
+            dnsmasq_log: None,
+            dnsmasq_leases: None,
+        };
+        let boot = format!("{BOOT_IP}/24");
+        let site_addr = format!("{SITE_IP}/24");
+        let steps: [&[&str]; 11] = [
+            &["netns", "add", name],
+            &["netns", "add", &site],
+            &["-n", name, "link", "set", "lo", "up"],
+            &["-n", &site, "link", "set", "lo", "up"],
+            &["-n", name, "link", "add", BRIDGE, "type", "bridge"],
+            &["-n", name, "addr", "add", &boot, "dev", BRIDGE],
+            &["-n", name, "link", "set", BRIDGE, "up"],
+            &[
+                "-n", name, "link", "add", "site0", "type", "veth", "peer", "name", "site1",
+                "netns", &site,
+            ],
+            &["-n", name, "link", "set", "site0", "master", BRIDGE, "up"],
+            &["-n", &site, "addr", "add", &site_addr, "dev", "site1"],
+            &["-n", &site, "link", "set", "site1", "up"],
+        ];
+        for step in steps {
+            ip(step)?;
+        }
+        Ok(net)
+    }
+
+    /// The provisioning namespace, for the boot service's sockets.
+    pub fn namespace(&self) -> std::io::Result<NetNamespace> {
+        NetNamespace::open(&self.netns)
+    }
+
+    /// A tap device on the bridge for one QEMU host.
+    pub fn add_tap(&self, tap: &str) -> Result<(), NetError> {
+        ip(&[
+            "-n",
+            &self.netns,
+            "tuntap",
+            "add",
+            "dev",
+            tap,
+            "mode",
+            "tap",
+        ])?;
+        ip(&[
+            "-n",
+            &self.netns,
+            "link",
+            "set",
+            tap,
+            "master",
+            BRIDGE,
+            "up",
+        ])
+    }
+
+    /// Starts the site's DHCP server: dnsmasq, DHCP only (no DNS, no TFTP, no PXE options).
+    pub fn start_site_dhcp(&mut self, dir: &Path) -> Result<(), NetError> {
+        std::fs::create_dir_all(dir).map_err(|e| NetError::Dnsmasq(e.to_string()))?;
+        let log = dir.join("dnsmasq.log");
+        let leases = dir.join("dnsmasq.leases");
+        let _ = std::fs::remove_file(&leases);
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.site_netns, "dnsmasq"])
+            .args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-hosts",
+                "--no-resolv",
+            ])
+            .args([
+                "--port=0",
+                "--interface=site1",
+                "--bind-interfaces",
+                "--user=root",
+            ])
+            .arg(format!(
+                "--dhcp-range={},{},255.255.255.0,1h",
+                POOL.0, POOL.1
+            ))
+            .arg(format!("--dhcp-leasefile={}", leases.display()))
+            .arg(format!("--log-facility={}", log.display()))
+            .arg("--log-dhcp")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                NetError::Dnsmasq(format!("starting dnsmasq (package dnsmasq-base): {e}"))
+            })?;
+        self.dnsmasq = Some(child);
+        self.dnsmasq_log = Some(log);
+        self.dnsmasq_leases = Some(leases);
+        Ok(())
+    }
+
+    /// `ip netns exec <provisioning namespace>`: the prefix for a process on the bridge.
+    pub fn exec_prefix(&self) -> Vec<String> {
+        vec![
+            "ip".into(),
+            "netns".into(),
+            "exec".into(),
+            self.netns.clone(),
+        ]
+    }
+}
+
+impl Drop for LabNetwork {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.dnsmasq.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = ip(&["netns", "del", &self.netns]);
+        let _ = ip(&["netns", "del", &self.site_netns]);
+    }
+}
