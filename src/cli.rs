@@ -255,6 +255,18 @@ pub struct LabArgs {
     /// API core installed by clusterctl (the default, which needs `make capi`).
     #[arg(long)]
     pub standalone: bool,
+    /// `bridged`: the hosts' firmware does real DHCP, PXE and TFTP on a bridge in network
+    /// namespaces the lab creates (needs root), with dnsmasq as the site's DHCP server and
+    /// metalboot's proxyDHCP; `user`: QEMU's user-mode network. Bridged falls back to user
+    /// when the namespaces cannot be created, and says so.
+    #[arg(long, value_enum, default_value_t = LabNetworkArg::Bridged)]
+    pub network: LabNetworkArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LabNetworkArg {
+    Bridged,
+    User,
 }
 
 impl LabArgs {
@@ -265,6 +277,10 @@ impl LabArgs {
             memory_mib: self.memory_mib,
             boot_timeout_seconds: self.boot_timeout_seconds,
             standalone: self.standalone,
+            network: match self.network {
+                LabNetworkArg::Bridged => crate::lab::up::NetworkMode::Bridged,
+                LabNetworkArg::User => crate::lab::up::NetworkMode::User,
+            },
         }
     }
 }

@@ -1,5 +1,7 @@
-//! The lab end to end, as `make lab` runs it: `metalboot lab up --hosts 2` under TCG provisions two
-//! QEMU hosts through the virtual BMC, the boot service, metalboot's infrastructure and bootstrap
+//! The lab end to end, as `make lab` runs it: `metalboot lab up --hosts 3` under TCG provisions
+//! three QEMU hosts on the bridged lab network — SeaBIOS with the NIC's iPXE, OVMF with EDK2's PXE
+//! (TFTP `ipxe.efi`), OVMF with EDK2 HTTP Boot; addresses from dnsmasq, boot options from
+//! metalboot's proxyDHCP — through the virtual BMC, the boot service, metalboot's infrastructure and bootstrap
 //! providers and upstream Cluster API core (installed by clusterctl); deleting a Machine powers its
 //! host off and frees it; `lab down` leaves nothing running.
 
@@ -12,7 +14,8 @@ use kube::api::{Api, DeleteParams, ListParams};
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::HostState;
 use metalboot::api::{CloudInitConfig, MetalHost, MetalMachine};
-use metalboot::lab::up::{HostLive, LabState, NAMESPACE};
+use metalboot::lab::qemu::Firmware;
+use metalboot::lab::up::{HostLive, LabState, NAMESPACE, NetworkMode, Timeline};
 
 fn metalboot(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_metalboot"))
@@ -60,7 +63,7 @@ impl Drop for LabDownOnDrop {
 }
 
 #[tokio::test]
-async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
+async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_cleanly() {
     let dir: PathBuf = metalboot::controlplane::project_dir()
         .join(format!("target/e2e-lab-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -72,7 +75,7 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
         "lab",
         "up",
         "--hosts",
-        "2",
+        "3",
         "--dir",
         &dir_s,
         "--timeout-seconds",
@@ -88,9 +91,9 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
         );
     }
     println!("{stdout}");
-    assert!(stdout.contains("all 2 Machines Running"), "{stdout}");
+    assert!(stdout.contains("all 3 Machines Running"), "{stdout}");
     assert!(
-        stdout.contains("power→script"),
+        stdout.contains("power→DHCP"),
         "timings table printed: {stdout}"
     );
 
@@ -112,6 +115,54 @@ async fn lab_up_provisions_two_qemu_hosts_and_tears_down_cleanly() {
     );
 
     let state: LabState = read_json(&dir.join("state.json"));
+    assert_eq!(
+        state.network,
+        NetworkMode::Bridged,
+        "the lab runs on its bridge"
+    );
+    let firmware: Vec<Firmware> = state.hosts.iter().map(|h| h.firmware).collect();
+    assert_eq!(
+        firmware,
+        [Firmware::Bios, Firmware::UefiPxe, Firmware::UefiHttp]
+    );
+    // Per-hop timeline: every host was answered by metalboot's proxyDHCP; only the EDK2 PXE host
+    // fetched its boot program over TFTP.
+    let timings: std::collections::BTreeMap<String, Timeline> =
+        read_json(&dir.join("timings.json"));
+    for host in &state.hosts {
+        let t = &timings[&host.name];
+        assert!(
+            t.dhcp.is_some() && t.callback.is_some(),
+            "{}: {t:?}",
+            host.name
+        );
+        assert_eq!(
+            t.tftp.is_some(),
+            host.firmware == Firmware::UefiPxe,
+            "{}: {t:?}",
+            host.name
+        );
+    }
+    // metalboot's own log: the EFI binary went over TFTP to the UEFI PXE host's MAC, and each
+    // host's address came from the site's dnsmasq, not from metalboot.
+    let log = std::fs::read_to_string(dir.join("lab.log")).expect("lab.log");
+    let pxe_host = &state.hosts[1];
+    assert!(
+        log.lines().any(|l| l.contains("TFTP transfer done")
+            && l.contains(&pxe_host.mac)
+            && l.contains("ipxe.efi")),
+        "no TFTP transfer of ipxe.efi to {} in lab.log",
+        pxe_host.mac
+    );
+    let leases =
+        std::fs::read_to_string(dir.join("network/dnsmasq.leases")).expect("dnsmasq leases");
+    for host in &state.hosts {
+        assert!(
+            leases.contains(&host.mac),
+            "{} leased by dnsmasq: {leases}",
+            host.name
+        );
+    }
     let kubeconfig = kube::config::Kubeconfig::read_from(&state.kubeconfig).expect("kubeconfig");
     let client = metalboot::controlplane::client_from_kubeconfig(kubeconfig)
         .await

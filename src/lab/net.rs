@@ -40,9 +40,11 @@ pub struct LabNetwork {
     pub netns: String,
     /// The site DHCP server's namespace.
     pub site_netns: String,
-    dnsmasq: Option<Child>,
+    dnsmasq: Vec<Child>,
     pub dnsmasq_log: Option<PathBuf>,
     pub dnsmasq_leases: Option<PathBuf>,
+    /// Namespaces of other machines on the bridge (tests: clients, a rogue server).
+    peers: Vec<String>,
 }
 
 /// Runs `ip <args>`; a clear error with ip's own message when it fails.
@@ -75,9 +77,10 @@ impl LabNetwork {
         let net = LabNetwork {
             netns: name.to_string(),
             site_netns: site.clone(),
-            dnsmasq: None,
+            dnsmasq: Vec::new(),
             dnsmasq_log: None,
             dnsmasq_leases: None,
+            peers: Vec::new(),
         };
         let boot = format!("{BOOT_IP}/24");
         let site_addr = format!("{SITE_IP}/24");
@@ -134,28 +137,79 @@ impl LabNetwork {
 
     /// Starts the site's DHCP server: dnsmasq, DHCP only (no DNS, no TFTP, no PXE options).
     pub fn start_site_dhcp(&mut self, dir: &Path) -> Result<(), NetError> {
+        let range = format!("--dhcp-range={},{},255.255.255.0,1h", POOL.0, POOL.1);
+        let (log, leases) =
+            self.start_dnsmasq(&self.site_netns.clone(), "site1", dir, "dnsmasq", &[&range])?;
+        self.dnsmasq_log = Some(log);
+        self.dnsmasq_leases = Some(leases);
+        Ok(())
+    }
+
+    /// Another machine on the bridge: namespace `<netns>-<suffix>` with `eth0` on a veth into
+    /// the bridge, with `address` (CIDR) or none. Returns the namespace's name.
+    pub fn add_peer(&mut self, suffix: &str, address: Option<&str>) -> Result<String, NetError> {
+        let ns = format!("{}-{suffix}", self.netns);
+        let _ = ip(&["netns", "del", &ns]);
+        ip(&["netns", "add", &ns])?;
+        self.peers.push(ns.clone());
+        let port: String = format!("p-{suffix}").chars().take(15).collect();
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&[
+            "-n",
+            &self.netns,
+            "link",
+            "add",
+            &port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &ns,
+        ])?;
+        ip(&[
+            "-n",
+            &self.netns,
+            "link",
+            "set",
+            &port,
+            "master",
+            BRIDGE,
+            "up",
+        ])?;
+        if let Some(address) = address {
+            ip(&["-n", &ns, "addr", "add", address, "dev", "eth0"])?;
+        }
+        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        Ok(ns)
+    }
+
+    /// dnsmasq as a DHCP server in `netns` on `interface`, with `args` (a range, options);
+    /// returns its log and lease file. It dies with this network.
+    pub fn start_dnsmasq(
+        &mut self,
+        netns: &str,
+        interface: &str,
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+    ) -> Result<(PathBuf, PathBuf), NetError> {
         std::fs::create_dir_all(dir).map_err(|e| NetError::Dnsmasq(e.to_string()))?;
-        let log = dir.join("dnsmasq.log");
-        let leases = dir.join("dnsmasq.leases");
+        let log = dir.join(format!("{name}.log"));
+        let leases = dir.join(format!("{name}.leases"));
         let _ = std::fs::remove_file(&leases);
         let child = Command::new("ip")
-            .args(["netns", "exec", &self.site_netns, "dnsmasq"])
+            .args(["netns", "exec", netns, "dnsmasq"])
             .args([
                 "--keep-in-foreground",
                 "--conf-file=/dev/null",
                 "--no-hosts",
                 "--no-resolv",
             ])
-            .args([
-                "--port=0",
-                "--interface=site1",
-                "--bind-interfaces",
-                "--user=root",
-            ])
-            .arg(format!(
-                "--dhcp-range={},{},255.255.255.0,1h",
-                POOL.0, POOL.1
-            ))
+            .args(["--port=0", "--bind-interfaces", "--user=root"])
+            .arg(format!("--interface={interface}"))
+            .args(args)
             .arg(format!("--dhcp-leasefile={}", leases.display()))
             .arg(format!("--log-facility={}", log.display()))
             .arg("--log-dhcp")
@@ -166,10 +220,8 @@ impl LabNetwork {
             .map_err(|e| {
                 NetError::Dnsmasq(format!("starting dnsmasq (package dnsmasq-base): {e}"))
             })?;
-        self.dnsmasq = Some(child);
-        self.dnsmasq_log = Some(log);
-        self.dnsmasq_leases = Some(leases);
-        Ok(())
+        self.dnsmasq.push(child);
+        Ok((log, leases))
     }
 
     /// `ip netns exec <provisioning namespace>`: the prefix for a process on the bridge.
@@ -185,9 +237,12 @@ impl LabNetwork {
 
 impl Drop for LabNetwork {
     fn drop(&mut self) {
-        if let Some(mut child) = self.dnsmasq.take() {
+        for child in &mut self.dnsmasq {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        for peer in &self.peers {
+            let _ = ip(&["netns", "del", peer]);
         }
         let _ = ip(&["netns", "del", &self.netns]);
         let _ = ip(&["netns", "del", &self.site_netns]);

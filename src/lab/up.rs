@@ -24,7 +24,8 @@ use crate::boot::http::BootEvent;
 use crate::controlplane::{self, ControlPlane, Lifetime};
 use crate::manager::ManagerOptions;
 
-use super::qemu::{Accel, QemuHost, QemuHostSpec, probe_accel};
+use super::net::LabNetwork;
+use super::qemu::{Accel, Firmware, HostNetwork, QemuHost, QemuHostSpec, probe_accel};
 use super::vbmc::{self, VirtualBmc};
 
 pub const NAMESPACE: &str = "metalboot-lab";
@@ -40,6 +41,30 @@ pub struct LabOptions {
     pub boot_timeout_seconds: i32,
     /// metalboot's standalone controllers run the Machines, instead of upstream core.
     pub standalone: bool,
+    /// How hosts are wired: a bridged network in namespaces (real DHCP/PXE/TFTP) or QEMU's
+    /// user-mode network (its DHCP hands iPXE the script URL).
+    pub network: NetworkMode,
+}
+
+/// `lab up --network`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NetworkMode {
+    Bridged,
+    User,
+}
+
+/// The lab's network namespace (fixed: one lab per machine, leftovers of a killed lab are
+/// deleted by the next).
+pub const NETNS: &str = "metalboot-lab";
+
+/// Which firmware lab host `i` has on the bridged network: every kind in turn.
+pub fn firmware_of(i: u32, network: NetworkMode) -> Firmware {
+    match (network, i % 3) {
+        (NetworkMode::User, _) => Firmware::Bios,
+        (_, 0) => Firmware::Bios,
+        (_, 1) => Firmware::UefiPxe,
+        _ => Firmware::UefiHttp,
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -72,12 +97,21 @@ pub struct LabState {
     pub boot_url: String,
     pub bmc_url: String,
     pub hosts: Vec<LabHost>,
+    /// The network the lab ended up with (bridged, or user-mode when namespaces failed).
+    #[serde(default = "user_network")]
+    pub network: NetworkMode,
+}
+
+fn user_network() -> NetworkMode {
+    NetworkMode::User
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LabHost {
     pub name: String,
     pub mac: String,
+    #[serde(default = "bios")]
+    pub firmware: Firmware,
     pub serial_log: PathBuf,
 }
 
@@ -92,10 +126,20 @@ pub struct HostLive {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Timeline {
     pub power_on: Option<String>,
+    /// metalboot's proxyDHCP answered the firmware (bridged network only).
+    #[serde(default)]
+    pub dhcp: Option<String>,
+    /// The boot program arrived over TFTP (UEFI PXE hosts).
+    #[serde(default)]
+    pub tftp: Option<String>,
     pub script: Option<String>,
     pub user_data: Option<String>,
     pub callback: Option<String>,
     pub running: Option<String>,
+}
+
+fn bios() -> Firmware {
+    Firmware::Bios
 }
 
 fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), LabError> {
@@ -187,17 +231,64 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         }
     );
 
+    // The bridged network when the machine allows it; otherwise user-mode, said loudly.
+    let mut network = match opts.network {
+        NetworkMode::User => None,
+        NetworkMode::Bridged => match LabNetwork::create(NETNS) {
+            Ok(mut net) => match net.start_site_dhcp(&dir.join("network")) {
+                Ok(()) => Some(net),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no site DHCP server; falling back to QEMU's user-mode network");
+                    None
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot create the lab's network namespaces (root and iproute2 needed); falling back to QEMU's user-mode network");
+                None
+            }
+        },
+    };
+    let mode = if network.is_some() {
+        NetworkMode::Bridged
+    } else {
+        NetworkMode::User
+    };
+    // Where hosts reach metalboot: its bridge address, or the user-mode network's gateway.
+    let host_side_ip = match mode {
+        NetworkMode::Bridged => super::net::BOOT_IP.to_string(),
+        NetworkMode::User => "10.0.2.2".to_string(),
+    };
+    let boot_netns = match &network {
+        Some(net) => net.namespace().map_err(io("opening the lab namespace"))?,
+        None => crate::boot::netns::NetNamespace::current(),
+    };
     let boot_port = free_port()?;
-    let boot_url = format!("http://10.0.2.2:{boot_port}");
+    let boot_url = format!("http://{host_side_ip}:{boot_port}");
+    let listen_ip = match mode {
+        NetworkMode::Bridged => host_side_ip.clone(),
+        NetworkMode::User => "127.0.0.1".to_string(),
+    };
     let manager = crate::manager::start(
         client.clone(),
         ManagerOptions {
             namespace: Some(NAMESPACE.into()),
             controllers,
-            boot_http: format!("127.0.0.1:{boot_port}")
+            boot_http: format!("{listen_ip}:{boot_port}")
                 .parse()
                 .map_err(|e| LabError::Setup(format!("{e}")))?,
             advertise_url: Some(boot_url.clone()),
+            boot_netns: boot_netns.clone(),
+            // Real firmware on the bridge: TFTP on :69 and proxyDHCP on the bridge only.
+            tftp: (mode == NetworkMode::Bridged).then(|| {
+                (
+                    std::net::SocketAddr::from((super::net::BOOT_IP, 69)),
+                    PathBuf::from("/usr/lib/ipxe"),
+                )
+            }),
+            dhcp: (mode == NetworkMode::Bridged).then(|| crate::manager::DhcpSettings {
+                interface: Some(super::net::BRIDGE.into()),
+                ..Default::default()
+            }),
             artifacts_dir: Some(image.clone()),
             power_poll_interval: Duration::from_secs(15),
             graceful_off: Duration::from_secs(5),
@@ -210,23 +301,34 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     .map_err(|e| LabError::Setup(e.to_string()))?;
 
     let bmc_password = crate::boot::tokens::Token::mint().expose()[..24].to_string();
-    let hosts: Vec<Arc<QemuHost>> = (0..opts.hosts)
-        .map(|i| {
-            Arc::new(QemuHost::new(QemuHostSpec {
-                name: format!("lab-host-{i}"),
-                uuid: format!("6d62a1b0-0000-4000-8000-{i:012x}"),
-                mac: mac_of(i),
-                memory_mib: opts.memory_mib,
-                network: super::qemu::HostNetwork::User {
-                    bootfile_url: format!("{boot_url}/boot.ipxe"),
-                },
-                firmware: super::qemu::Firmware::Bios,
-                dir: dir.join("hosts").join(format!("lab-host-{i}")),
-                accel,
-                graceful_seconds: 5,
-            }))
-        })
-        .collect();
+    let mut hosts: Vec<Arc<QemuHost>> = Vec::new();
+    for i in 0..opts.hosts {
+        let host_network = match &network {
+            Some(net) => {
+                let tap = format!("tap{i}");
+                net.add_tap(&tap)
+                    .map_err(|e| LabError::Setup(e.to_string()))?;
+                HostNetwork::Tap {
+                    netns: net.netns.clone(),
+                    ifname: tap,
+                }
+            }
+            None => HostNetwork::User {
+                bootfile_url: format!("{boot_url}/boot.ipxe"),
+            },
+        };
+        hosts.push(Arc::new(QemuHost::new(QemuHostSpec {
+            name: format!("lab-host-{i}"),
+            uuid: format!("6d62a1b0-0000-4000-8000-{i:012x}"),
+            mac: mac_of(i),
+            memory_mib: opts.memory_mib,
+            network: host_network,
+            firmware: firmware_of(i, mode),
+            dir: dir.join("hosts").join(format!("lab-host-{i}")),
+            accel,
+            graceful_seconds: 5,
+        })));
+    }
     for h in &hosts {
         // A fresh serial log per lab run.
         let _ = std::fs::create_dir_all(&h.spec.dir);
@@ -246,8 +348,12 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
 
     let api_port = cp.server.rsplit(':').next().unwrap_or("6443").to_string();
     // The lab OS reaches the apiserver through a loopback relay (see lab::relay).
-    let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
+    let relay_listener = boot_netns
+        .tcp_listener(
+            format!("{listen_ip}:0")
+                .parse()
+                .map_err(|e| LabError::Setup(format!("{e}")))?,
+        )
         .map_err(io("binding the apiserver relay"))?;
     let relay_port = relay_listener
         .local_addr()
@@ -262,6 +368,8 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     create_objects(
         &client,
         &opts,
+        mode,
+        &host_side_ip,
         &cp,
         &bmc_url,
         &bmc_password,
@@ -276,11 +384,13 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         accel: accel.name().into(),
         boot_url,
         bmc_url,
+        network: mode,
         hosts: hosts
             .iter()
             .map(|h| LabHost {
                 name: h.spec.name.clone(),
                 mac: h.spec.mac.clone(),
+                firmware: h.spec.firmware,
                 serial_log: h.serial_log(),
             })
             .collect(),
@@ -308,13 +418,15 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             event = events.recv() => {
                 if let Ok(event) = event {
                     let (host, field) = match &event {
+                        BootEvent::DhcpAnswered { host, .. } => (host.clone(), "dhcp"),
+                        BootEvent::TftpDone { host, .. } => (host.clone(), "tftp"),
                         BootEvent::ScriptServed { host, .. } => (host.clone(), "script"),
                         BootEvent::NoCloud { host, document, .. } if document == "user-data" => (host.clone(), "user_data"),
                         BootEvent::Callback { host, .. } => (host.clone(), "callback"),
                         _ => continue,
                     };
                     let t = timelines.entry(host).or_default();
-                    let slot = match field { "script" => &mut t.script, "user_data" => &mut t.user_data, _ => &mut t.callback };
+                    let slot = match field { "dhcp" => &mut t.dhcp, "tftp" => &mut t.tftp, "script" => &mut t.script, "user_data" => &mut t.user_data, _ => &mut t.callback };
                     if slot.is_none() { *slot = Some(stamp()); }
                 }
             }
@@ -354,15 +466,19 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         let _ = h.force_off().await;
     }
     drop(manager);
+    drop(network.take());
     cp.stop();
     let _ = std::fs::remove_file(dir.join("state.json"));
     let _ = std::fs::remove_file(dir.join("lab.pid"));
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn create_objects(
     client: &kube::Client,
     opts: &LabOptions,
+    mode: NetworkMode,
+    host_side_ip: &str,
     cp: &ControlPlane,
     bmc_url: &str,
     bmc_password: &str,
@@ -501,7 +617,7 @@ async fn create_objects(
         .ok_or_else(|| {
             LabError::Setup("the apiserver issued no token for the lab kubelet".into())
         })?;
-    let kubelet_env = format!("APISERVER=http://10.0.2.2:{relay_port}\nTOKEN={token}\n");
+    let kubelet_env = format!("APISERVER=http://{host_side_ip}:{relay_port}\nTOKEN={token}\n");
     apply(
         &secrets,
         &secret(
@@ -560,7 +676,8 @@ async fn create_objects(
             "metadata": {"name": format!("lab-host-{i}"), "namespace": NAMESPACE,
                 "labels": {"metalboot.io/role": "worker", "metalboot.io/failure-domain": format!("rack-{}", i % 2)}},
             "spec": {"bmc": {"address": format!("{bmc_url}/redfish/v1/Systems/lab-host-{i}"), "credentialsName": "lab-bmc"},
-                "bootMACAddress": mac_of(i), "bootMode": "Legacy", "online": true,
+                "bootMACAddress": mac_of(i), "online": true,
+                "bootMode": if firmware_of(i, mode).uefi() { "UEFI" } else { "Legacy" },
                 "description": format!("QEMU lab host {i}")},
         })).await?;
     }
@@ -572,7 +689,7 @@ async fn create_objects(
     apply_json(&dynamic("MetalCluster", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalclusters"), json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalCluster",
         "metadata": {"name": CLUSTER, "namespace": NAMESPACE, "labels": {CLUSTER_NAME_LABEL: CLUSTER}},
-        "spec": {"controlPlaneEndpoint": {"host": "10.0.2.2", "port": api_port.parse::<i32>().unwrap_or(6443)}},
+        "spec": {"controlPlaneEndpoint": {"host": host_side_ip, "port": api_port.parse::<i32>().unwrap_or(6443)}},
     })).await?;
     for i in 0..opts.hosts {
         let name = format!("lab-{i}");
@@ -726,20 +843,52 @@ fn seconds_between(a: &Option<String>, b: &Option<String>) -> Option<f64> {
     Some(b.duration_since(a).as_secs_f64())
 }
 
+/// One row per host: seconds between consecutive milestones (per hop), then power-on to Running.
+/// A hop a host does not take (TFTP for an iPXE ROM or HTTP Boot) shows "-", and the next hop
+/// counts from the last milestone it did reach.
 pub fn render_timings(timings: &BTreeMap<String, Timeline>) -> String {
+    let header = [
+        "HOST",
+        "power→DHCP",
+        "→TFTP",
+        "→script",
+        "→user-data",
+        "→callback",
+        "→Running",
+        "total",
+    ];
     let mut out = format!(
-        "{:<12} {:>16} {:>14} {:>13} {:>12} {:>8}\n",
-        "HOST", "power→script", "→user-data", "→callback", "→Running", "total"
+        "{:<12} {:>11} {:>8} {:>9} {:>11} {:>10} {:>9} {:>8}\n",
+        header[0], header[1], header[2], header[3], header[4], header[5], header[6], header[7]
     );
     let cell = |v: Option<f64>| v.map(|s| format!("{s:.1}s")).unwrap_or_else(|| "-".into());
     for (host, t) in timings {
+        let hops = [
+            &t.dhcp,
+            &t.tftp,
+            &t.script,
+            &t.user_data,
+            &t.callback,
+            &t.running,
+        ];
+        let mut last = &t.power_on;
+        let mut cells = Vec::new();
+        for hop in hops {
+            let took = seconds_between(last, hop);
+            if hop.is_some() {
+                last = hop;
+            }
+            cells.push(cell(took));
+        }
         out.push_str(&format!(
-            "{:<12} {:>16} {:>14} {:>13} {:>12} {:>8}\n",
+            "{:<12} {:>11} {:>8} {:>9} {:>11} {:>10} {:>9} {:>8}\n",
             host,
-            cell(seconds_between(&t.power_on, &t.script)),
-            cell(seconds_between(&t.script, &t.user_data)),
-            cell(seconds_between(&t.user_data, &t.callback)),
-            cell(seconds_between(&t.callback, &t.running)),
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            cells[4],
+            cells[5],
             cell(seconds_between(&t.power_on, &t.running)),
         ));
     }
@@ -802,6 +951,13 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
         &opts.boot_timeout_seconds.to_string(),
     ])
     .args(opts.standalone.then_some("--standalone"))
+    .args([
+        "--network",
+        match opts.network {
+            NetworkMode::Bridged => "bridged",
+            NetworkMode::User => "user",
+        },
+    ])
     .arg("--dir")
     .arg(&opts.dir)
     .stdin(std::process::Stdio::null())
@@ -951,14 +1107,23 @@ mod tests {
     fn timings_are_differences_between_milestones() {
         let t = Timeline {
             power_on: Some("2026-11-22T10:00:00Z".into()),
+            dhcp: Some("2026-11-22T10:00:04Z".into()),
+            tftp: None,
             script: Some("2026-11-22T10:00:12.5Z".into()),
             user_data: Some("2026-11-22T10:00:20Z".into()),
             callback: Some("2026-11-22T10:00:21Z".into()),
             running: None,
         };
         let table = render_timings(&BTreeMap::from([("lab-host-0".to_string(), t)]));
-        assert!(
-            table.contains("12.5s") && table.contains("7.5s") && table.contains("1.0s"),
+        let row: Vec<&str> = table
+            .lines()
+            .nth(1)
+            .map(|l| l.split_whitespace().collect())
+            .unwrap_or_default();
+        // No TFTP hop: the script counts from the DHCP answer.
+        assert_eq!(
+            row,
+            ["lab-host-0", "4.0s", "-", "8.5s", "7.5s", "1.0s", "-", "-"],
             "{table}"
         );
         assert!(
