@@ -236,8 +236,9 @@ pub enum ControlPlaneCommand {
 
 #[derive(Debug, Args)]
 pub struct LabArgs {
-    /// Number of QEMU hosts (and Machines).
-    #[arg(long, default_value_t = 2)]
+    /// Number of QEMU hosts (and Machines). On the bridged network they take turns: SeaBIOS,
+    /// UEFI PXE, UEFI HTTP Boot.
+    #[arg(long, default_value_t = 3)]
     pub hosts: u32,
     /// Lab directory: control plane, image, host logs, state.
     #[arg(long, default_value_os_t = controlplane::project_dir().join("target/lab"))]

@@ -477,7 +477,9 @@ async fn start_infrastructure(
     if let Some(dir) = &opts.artifacts_dir {
         router = router.nest(
             "/artifacts",
-            crate::boot::artifacts::artifacts_router(dir.clone()),
+            crate::boot::artifacts::artifacts_router(dir.clone()).layer(
+                middleware::from_fn_with_state(state.clone(), boot_http::artifact_hop),
+            ),
         );
     }
     if let Some((_, root)) = &opts.tftp {

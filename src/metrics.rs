@@ -22,6 +22,7 @@ pub struct Metrics {
     pub callbacks: Family<Labels, Counter>,
     pub tftp_transfers: Family<Labels, Counter>,
     pub dhcp_packets: Family<Labels, Counter>,
+    pub hop_seconds: Family<Labels, Histogram>,
     pub bmc_errors: Family<Labels, Counter>,
     pub hosts: Family<Labels, Gauge>,
     pub provisioning_seconds: Family<Labels, Histogram>,
@@ -34,6 +35,13 @@ fn reconcile_histogram() -> Histogram {
     // 1 ms … ~16 s: a pass is a store read, maybe one BMC call or write.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         0.001, 2.0, 15,
+    ))
+}
+
+fn hop_histogram() -> Histogram {
+    // 10 ms … ~5 min: one network-boot hop.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.01, 2.0, 15,
     ))
 }
 
@@ -56,6 +64,7 @@ pub fn metrics() -> &'static Metrics {
             callbacks: Family::default(),
             tftp_transfers: Family::default(),
             dhcp_packets: Family::default(),
+            hop_seconds: Family::new_with_constructor(hop_histogram),
             bmc_errors: Family::default(),
             hosts: Family::default(),
             provisioning_seconds: Family::new_with_constructor(histogram),
@@ -98,6 +107,11 @@ pub fn metrics() -> &'static Metrics {
             "boot_dhcp_packets",
             "DHCP packets received by the proxyDHCP service, by outcome",
             m.dhcp_packets.clone(),
+        );
+        registry.register(
+            "boot_hop_seconds",
+            "Seconds from a host's previous boot milestone to this one (dhcp, tftp, script, artifact, user-data, callback)",
+            m.hop_seconds.clone(),
         );
         registry.register("bmc_errors", "BMC errors by reason", m.bmc_errors.clone());
         registry.register("hosts", "MetalHosts by state", m.hosts.clone());
@@ -211,6 +225,13 @@ pub fn record_dhcp(outcome: &str) {
         .dhcp_packets
         .get_or_create(&labels(&[("outcome", outcome)]))
         .inc();
+}
+
+pub fn record_hop(hop: &str, took: std::time::Duration) {
+    metrics()
+        .hop_seconds
+        .get_or_create(&labels(&[("hop", hop)]))
+        .observe(took.as_secs_f64());
 }
 
 pub fn record_bmc_error(reason: &str) {

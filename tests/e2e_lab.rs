@@ -132,7 +132,7 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
     for host in &state.hosts {
         let t = &timings[&host.name];
         assert!(
-            t.dhcp.is_some() && t.callback.is_some(),
+            t.dhcp.is_some() && t.kernel.is_some() && t.initrd.is_some() && t.callback.is_some(),
             "{}: {t:?}",
             host.name
         );
@@ -154,6 +154,28 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
         "no TFTP transfer of ipxe.efi to {} in lab.log",
         pxe_host.mac
     );
+    // The same timeline as metrics, read from the boot service on the lab's bridge.
+    let metrics = Command::new("ip")
+        .args(["netns", "exec", metalboot::lab::up::NETNS, "curl", "-sf"])
+        .arg(format!("{}/metrics", state.boot_url))
+        .output()
+        .expect("curl the boot service's metrics");
+    let metrics = String::from_utf8_lossy(&metrics.stdout);
+    for hop in [
+        "dhcp",
+        "tftp",
+        "script",
+        "artifact",
+        "user-data",
+        "callback",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "metalboot_boot_hop_seconds_count{{hop=\"{hop}\"}}"
+            )),
+            "hop {hop} in /metrics:\n{metrics}"
+        );
+    }
     let leases =
         std::fs::read_to_string(dir.join("network/dnsmasq.leases")).expect("dnsmasq leases");
     for host in &state.hosts {

@@ -61,6 +61,12 @@ pub enum BootEvent {
         host: String,
         file: String,
     },
+    /// A kernel or initrd was served to the host at an address learned from its DHCP request.
+    Artifact {
+        mac: String,
+        host: String,
+        file: String,
+    },
     /// A provisioning iPXE script was served to the host with this boot MAC.
     ScriptServed { mac: String, host: String },
     /// A NoCloud document was served for this attempt.
@@ -106,6 +112,8 @@ pub struct BootState {
     /// Address → boot MAC of hosts being provisioned, learned from their DHCP requests, so TFTP
     /// (which sees only addresses) can say which host a transfer was for.
     addresses: Mutex<HashMap<IpAddr, String>>,
+    /// When each host reached its last boot milestone (for `metalboot_boot_hop_seconds`).
+    hops: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 /// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
@@ -278,6 +286,7 @@ impl BootState {
             ready: std::sync::atomic::AtomicBool::new(false),
             events: tokio::sync::broadcast::channel(256).0,
             addresses: Mutex::new(HashMap::new()),
+            hops: Mutex::new(HashMap::new()),
         })
     }
 
@@ -287,7 +296,58 @@ impl BootState {
     }
 
     fn publish(&self, event: BootEvent) {
+        self.record_hop(&event);
         let _ = self.events.send(event);
+    }
+
+    /// The per-hop timeline as a metric: seconds from a host's previous milestone to this one
+    /// (`metalboot_boot_hop_seconds{hop}`), the DHCP answer starting a boot and the callback
+    /// ending it.
+    fn record_hop(&self, event: &BootEvent) {
+        let (host, hop) = match event {
+            BootEvent::DhcpAnswered { host, .. } => (host, "dhcp"),
+            BootEvent::TftpDone { host, .. } => (host, "tftp"),
+            BootEvent::ScriptServed { host, .. } => (host, "script"),
+            BootEvent::Artifact { host, .. } => (host, "artifact"),
+            BootEvent::NoCloud { host, document, .. } if document == "user-data" => {
+                (host, "user-data")
+            }
+            BootEvent::Callback { host, .. } => (host, "callback"),
+            BootEvent::NoCloud { .. } => return,
+        };
+        let Ok(mut hops) = self.hops.lock() else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        if let Some(previous) = hops.get(host) {
+            crate::metrics::record_hop(hop, now.duration_since(*previous));
+        }
+        if hop == "callback" {
+            hops.remove(host);
+        } else {
+            if hops.len() >= 65_536 {
+                hops.clear();
+            }
+            hops.insert(host.clone(), now);
+        }
+    }
+
+    /// Tells the timeline that `file` (a kernel, an initrd) went to `client`.
+    pub fn artifact_served(&self, client: IpAddr, file: &str) {
+        let mac = self
+            .addresses
+            .lock()
+            .ok()
+            .and_then(|a| a.get(&client).cloned());
+        if let Some(mac) = mac
+            && let Some(host) = self.host_by_mac(&mac)
+        {
+            self.publish(BootEvent::Artifact {
+                mac,
+                host: host.name_any(),
+                file: file.to_string(),
+            });
+        }
     }
 
     /// Waits until every store has its first full list, then lets requests through.
@@ -518,6 +578,31 @@ impl crate::boot::tftp::TransferObserver for BootState {
             });
         }
     }
+}
+
+/// Reports kernels and initrds served with success to the timeline (`/artifacts` only).
+pub async fn artifact_hop(
+    State(state): State<Arc<BootState>>,
+    ClientIp(ip): ClientIp,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let file = request
+        .uri()
+        .path()
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .take(80)
+        .collect::<String>();
+    let response = next.run(request).await;
+    if let Some(ip) = ip
+        && response.status().is_success()
+    {
+        state.artifact_served(ip, &file);
+    }
+    response
 }
 
 /// The client's address when the request came over a socket (absent in socket-less tests).

@@ -133,6 +133,11 @@ pub struct Timeline {
     #[serde(default)]
     pub tftp: Option<String>,
     pub script: Option<String>,
+    /// The kernel and the (last) initrd were served (bridged network: matched by address).
+    #[serde(default)]
+    pub kernel: Option<String>,
+    #[serde(default)]
+    pub initrd: Option<String>,
     pub user_data: Option<String>,
     pub callback: Option<String>,
     pub running: Option<String>,
@@ -420,14 +425,17 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                     let (host, field) = match &event {
                         BootEvent::DhcpAnswered { host, .. } => (host.clone(), "dhcp"),
                         BootEvent::TftpDone { host, .. } => (host.clone(), "tftp"),
+                        BootEvent::Artifact { host, file, .. } if file.starts_with("initrd") => (host.clone(), "initrd"),
+                        BootEvent::Artifact { host, .. } => (host.clone(), "kernel"),
                         BootEvent::ScriptServed { host, .. } => (host.clone(), "script"),
                         BootEvent::NoCloud { host, document, .. } if document == "user-data" => (host.clone(), "user_data"),
                         BootEvent::Callback { host, .. } => (host.clone(), "callback"),
                         _ => continue,
                     };
                     let t = timelines.entry(host).or_default();
-                    let slot = match field { "dhcp" => &mut t.dhcp, "tftp" => &mut t.tftp, "script" => &mut t.script, "user_data" => &mut t.user_data, _ => &mut t.callback };
-                    if slot.is_none() { *slot = Some(stamp()); }
+                    let slot = match field { "dhcp" => &mut t.dhcp, "tftp" => &mut t.tftp, "script" => &mut t.script, "kernel" => &mut t.kernel, "initrd" => &mut t.initrd, "user_data" => &mut t.user_data, _ => &mut t.callback };
+                    // The first of each, except the initrd: the last one ends the download.
+                    if slot.is_none() || field == "initrd" { *slot = Some(stamp()); }
                 }
             }
             _ = tick.tick() => {
@@ -852,27 +860,37 @@ pub fn render_timings(timings: &BTreeMap<String, Timeline>) -> String {
         "power→DHCP",
         "→TFTP",
         "→script",
+        "→kernel",
+        "→initrd",
         "→user-data",
         "→callback",
         "→Running",
         "total",
     ];
-    let mut out = format!(
-        "{:<12} {:>11} {:>8} {:>9} {:>11} {:>10} {:>9} {:>8}\n",
-        header[0], header[1], header[2], header[3], header[4], header[5], header[6], header[7]
-    );
+    let widths = [12, 11, 7, 8, 8, 8, 11, 10, 9, 7];
+    let row = |cells: &[String]| {
+        let mut line = format!("{:<w$}", cells[0], w = widths[0]);
+        for (cell, w) in cells.iter().zip(widths).skip(1) {
+            line.push_str(&format!(" {cell:>w$}"));
+        }
+        line.push('\n');
+        line
+    };
+    let mut out = row(&header.map(String::from));
     let cell = |v: Option<f64>| v.map(|s| format!("{s:.1}s")).unwrap_or_else(|| "-".into());
     for (host, t) in timings {
         let hops = [
             &t.dhcp,
             &t.tftp,
             &t.script,
+            &t.kernel,
+            &t.initrd,
             &t.user_data,
             &t.callback,
             &t.running,
         ];
         let mut last = &t.power_on;
-        let mut cells = Vec::new();
+        let mut cells = vec![host.clone()];
         for hop in hops {
             let took = seconds_between(last, hop);
             if hop.is_some() {
@@ -880,17 +898,8 @@ pub fn render_timings(timings: &BTreeMap<String, Timeline>) -> String {
             }
             cells.push(cell(took));
         }
-        out.push_str(&format!(
-            "{:<12} {:>11} {:>8} {:>9} {:>11} {:>10} {:>9} {:>8}\n",
-            host,
-            cells[0],
-            cells[1],
-            cells[2],
-            cells[3],
-            cells[4],
-            cells[5],
-            cell(seconds_between(&t.power_on, &t.running)),
-        ));
+        cells.push(cell(seconds_between(&t.power_on, &t.running)));
+        out.push_str(&row(&cells));
     }
     out
 }
@@ -1110,6 +1119,8 @@ mod tests {
             dhcp: Some("2026-11-22T10:00:04Z".into()),
             tftp: None,
             script: Some("2026-11-22T10:00:12.5Z".into()),
+            kernel: None,
+            initrd: None,
             user_data: Some("2026-11-22T10:00:20Z".into()),
             callback: Some("2026-11-22T10:00:21Z".into()),
             running: None,
@@ -1123,7 +1134,18 @@ mod tests {
         // No TFTP hop: the script counts from the DHCP answer.
         assert_eq!(
             row,
-            ["lab-host-0", "4.0s", "-", "8.5s", "7.5s", "1.0s", "-", "-"],
+            [
+                "lab-host-0",
+                "4.0s",
+                "-",
+                "8.5s",
+                "-",
+                "-",
+                "7.5s",
+                "1.0s",
+                "-",
+                "-"
+            ],
             "{table}"
         );
         assert!(
