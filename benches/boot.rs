@@ -112,6 +112,7 @@ async fn main() {
                 ca_secret_name: None,
             },
             boot_mac_address: MAC.into(),
+            boot_ip_address: None,
             boot_mode: None,
             online: true,
             description: None,

@@ -95,12 +95,31 @@ pub struct ManagerArgs {
     pub tftp_root: PathBuf,
     /// DHCP on the provisioning network: `proxy` answers PXE and HTTP-boot firmware with the
     /// boot server and program (never an address; the site's DHCP server keeps doing that), and
-    /// only for hosts being provisioned; `off` leaves network-boot options to the site's server.
+    /// only for hosts being provisioned; `full` is the (isolated) network's only DHCP server:
+    /// addresses from `--dhcp-range` for every client, MetalHosts' `bootIPAddress`
+    /// reservations, and the boot program for hosts being provisioned; `off` leaves
+    /// network-boot options to the site's server.
     #[arg(long, value_enum, default_value_t = DhcpMode::Proxy, env = "METALBOOT_DHCP")]
     pub dhcp: DhcpMode,
     /// The interface facing the hosts (default: all).
     #[arg(long, env = "METALBOOT_DHCP_INTERFACE", default_value = "")]
     pub dhcp_interface: String,
+    /// Full DHCP: the provisioning network, e.g. 10.0.0.0/24.
+    #[arg(long)]
+    pub dhcp_range: Option<ipnetwork::Ipv4Network>,
+    /// Full DHCP: the addresses handed out, `first-last` (default: the network from its tenth).
+    #[arg(long)]
+    pub dhcp_pool: Option<String>,
+    /// Full DHCP: the router (option 3) clients are told.
+    #[arg(long)]
+    pub dhcp_router: Option<std::net::Ipv4Addr>,
+    /// Full DHCP: lease time in seconds.
+    #[arg(long, default_value_t = 3600)]
+    pub dhcp_lease_seconds: u64,
+    /// Full DHCP: where leases are recorded before they are acknowledged, so a restart never
+    /// hands out a live lease again.
+    #[arg(long, default_value = "/var/lib/metalboot/dhcp-leases.json")]
+    pub dhcp_lease_file: PathBuf,
     /// metalboot's IPv4 address on the provisioning network (default: the advertise URL's host).
     #[arg(long)]
     pub dhcp_server_ip: Option<std::net::Ipv4Addr>,
@@ -145,6 +164,7 @@ pub struct ManagerArgs {
 pub enum DhcpMode {
     Off,
     Proxy,
+    Full,
 }
 
 /// A group of controllers selectable with `--controllers`.
@@ -170,13 +190,28 @@ impl ManagerArgs {
 
     pub fn options(&self) -> std::io::Result<crate::manager::ManagerOptions> {
         let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        if self.dhcp == DhcpMode::Full && self.dhcp_range.is_none() {
+            return Err(std::io::Error::other(
+                "--dhcp full needs --dhcp-range (the provisioning network, e.g. 10.0.0.0/24)",
+            ));
+        }
         let boot_netns = match &self.boot_netns {
             Some(name) => crate::boot::netns::NetNamespace::open(name)?,
             None => crate::boot::netns::NetNamespace::current(),
         };
         Ok(crate::manager::ManagerOptions {
             boot_netns,
-            dhcp: (self.dhcp == DhcpMode::Proxy).then(|| crate::manager::DhcpSettings {
+            dhcp: (self.dhcp != DhcpMode::Off).then(|| crate::manager::DhcpSettings {
+                full: match (self.dhcp, self.dhcp_range) {
+                    (DhcpMode::Full, Some(network)) => Some(crate::manager::FullDhcp {
+                        network,
+                        pool: self.dhcp_pool.clone(),
+                        router: self.dhcp_router,
+                        lease_time: std::time::Duration::from_secs(self.dhcp_lease_seconds.max(60)),
+                        lease_file: self.dhcp_lease_file.clone(),
+                    }),
+                    _ => None,
+                },
                 interface: non_empty(&self.dhcp_interface),
                 server_ip: self.dhcp_server_ip,
                 answer_all: self.dhcp_answer_all,

@@ -92,6 +92,20 @@ pub struct DhcpSettings {
     pub bios_file: Option<String>,
     pub efi_x64_file: Option<String>,
     pub efi_arm64_file: Option<String>,
+    /// Full-DHCP mode (None: proxyDHCP).
+    pub full: Option<FullDhcp>,
+}
+
+/// metalboot as the provisioning network's only DHCP server.
+#[derive(Clone, Debug)]
+pub struct FullDhcp {
+    pub network: ipnetwork::Ipv4Network,
+    /// `first-last` (default: the network from its tenth address).
+    pub pool: Option<String>,
+    pub router: Option<std::net::Ipv4Addr>,
+    pub lease_time: Duration,
+    /// Where leases are recorded before they are acknowledged.
+    pub lease_file: PathBuf,
 }
 
 impl Default for ManagerOptions {
@@ -370,6 +384,28 @@ fn dhcp_config(
     Ok(config)
 }
 
+/// The lease table of full-DHCP mode, with what the lease file recorded.
+fn full_leases(
+    full: &FullDhcp,
+    server_ip: std::net::Ipv4Addr,
+) -> Result<crate::boot::leases::Leases, ManagerError> {
+    let pool = crate::boot::leases::Pool::new(
+        full.network,
+        full.pool.as_deref(),
+        vec![server_ip],
+        full.router,
+        full.lease_time,
+    )
+    .map_err(|e| ManagerError::Dhcp(e.to_string()))?;
+    if let Some(dir) = full.lease_file.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            ManagerError::Dhcp(format!("lease file directory {}: {e}", dir.display()))
+        })?;
+    }
+    crate::boot::leases::Leases::load(pool, Some(&full.lease_file))
+        .map_err(|e| ManagerError::Dhcp(e.to_string()))
+}
+
 /// Probes and metrics for a process that serves no hosts (the bootstrap provider).
 fn health_router() -> axum::Router {
     use axum::routing::get;
@@ -488,12 +524,17 @@ async fn start_infrastructure(
     }
     let app = router.layer(middleware::from_fn(boot_http::access_log));
     if let Some(settings) = &opts.dhcp {
-        let dhcp = crate::boot::dhcpd::DhcpService::bind(
-            &opts.boot_netns,
-            dhcp_config(settings, &running.base_url)?,
-            state.clone(),
-        )
-        .map_err(|e| ManagerError::Dhcp(e.to_string()))?;
+        let config = dhcp_config(settings, &running.base_url)?;
+        let leases = match &settings.full {
+            Some(full) => Some(full_leases(full, config.server_ip)?),
+            None => None,
+        };
+        let mut dhcp =
+            crate::boot::dhcpd::DhcpService::bind(&opts.boot_netns, config, state.clone())
+                .map_err(|e| ManagerError::Dhcp(e.to_string()))?;
+        if let Some(leases) = leases {
+            dhcp = dhcp.with_leases(leases);
+        }
         tracing::info!(ports = ?dhcp.ports(), interface = ?settings.interface, "proxyDHCP service listening");
         running.tasks.push(tokio::spawn(async move {
             if let Err(e) = dhcp.serve().await {

@@ -338,6 +338,10 @@ fn dhcp_requests_get_a_proxy_answer_or_none() {
         ],
         |packet| {
             let _ = metalboot::boot::dhcp::requested_address(&packet);
+            // The full-DHCP reading of the same packet.
+            if let Ok(m) = v4::Message::decode(&mut dhcproto::Decoder::new(&packet)) {
+                let _ = metalboot::boot::dhcp::address_request(&m);
+            }
             // Both ports: 67 answers DISCOVERs, 4011 REQUESTs.
             let pxe_port = packet.len() % 2 == 0;
             if let Ok(reply) =

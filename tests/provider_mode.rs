@@ -149,6 +149,7 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
                 ca_secret_name: None,
             },
             boot_mac_address: mac.clone(),
+            boot_ip_address: None,
             boot_mode: None,
             online: true,
             description: None,

@@ -79,6 +79,15 @@ pub struct MetalHostSpec {
     #[schemars(regex(pattern = r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$"))]
     #[serde(rename = "bootMACAddress")]
     pub boot_mac_address: String,
+    /// The address metalboot's DHCP gives the boot NIC when it runs as the provisioning
+    /// network's DHCP server (`--dhcp full`): a reservation no other client gets. Ignored in
+    /// proxyDHCP mode, where the site's server hands out addresses.
+    #[serde(
+        default,
+        rename = "bootIPAddress",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub boot_ip_address: Option<std::net::Ipv4Addr>,
     /// Firmware boot mode used for one-time boot overrides. Leave unset to keep the BMC's current mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_mode: Option<BootMode>,
@@ -115,6 +124,7 @@ impl MetalHostSpec {
                 ca_secret_name: None,
             },
             boot_mac_address: "52:54:00:00:00:01".into(),
+            boot_ip_address: None,
             boot_mode: None,
             online: true,
             description: None,

@@ -149,17 +149,27 @@ pub fn proxy_reply(
         .set_giaddr(request.giaddr())
         .set_yiaddr(Ipv4Addr::UNSPECIFIED)
         .set_siaddr(server);
+    reply
+        .opts_mut()
+        .insert(DhcpOption::MessageType(if discover {
+            MessageType::Offer
+        } else {
+            MessageType::Ack
+        }));
+    reply
+        .opts_mut()
+        .insert(DhcpOption::ServerIdentifier(server));
+    add_boot(&mut reply, http, offer);
+    reply
+}
+
+/// The boot part of an answer: the program, and the vendor class that makes firmware take it.
+fn add_boot(reply: &mut Message, http: bool, offer: &BootOffer) {
     match offer {
         BootOffer::Tftp { file } => reply.set_fname_str(file),
         BootOffer::Http { url } => reply.set_fname_str(url),
     };
     let opts = reply.opts_mut();
-    opts.insert(DhcpOption::MessageType(if discover {
-        MessageType::Offer
-    } else {
-        MessageType::Ack
-    }));
-    opts.insert(DhcpOption::ServerIdentifier(server));
     opts.insert(DhcpOption::ClassIdentifier(if http {
         b"HTTPClient".to_vec()
     } else {
@@ -168,6 +178,118 @@ pub fn proxy_reply(
     if !http {
         // PXE_DISCOVERY_CONTROL (6) = 8: use the boot file of this packet, no discovery.
         opts.insert(DhcpOption::VendorExtensions(vec![6, 1, 8, 255]));
+    }
+}
+
+/// What a full-DHCP server does with a packet on port 67.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddressRequest {
+    /// DHCPDISCOVER: offer an address (the client may ask for one, option 50).
+    Discover {
+        requested: Option<Ipv4Addr>,
+    },
+    /// DHCPREQUEST for `ip`; `for_server` is the server the client selected (option 54), absent
+    /// when it renews or reboots.
+    Request {
+        ip: Ipv4Addr,
+        for_server: Option<Ipv4Addr>,
+    },
+    Release {
+        ip: Ipv4Addr,
+    },
+    Decline {
+        ip: Ipv4Addr,
+    },
+    /// Anything else (INFORM, replies, garbage that decodes).
+    Other,
+}
+
+/// Reads what a client asks of an address server (full-DHCP mode), with its MAC.
+pub fn address_request(request: &Message) -> Option<(String, AddressRequest)> {
+    if request.opcode() != Opcode::BootRequest
+        || request.htype() != HType::Eth
+        || request.hlen() != 6
+    {
+        return None;
+    }
+    let opt_ip = |code| match request.opts().get(code) {
+        Some(DhcpOption::RequestedIpAddress(ip)) | Some(DhcpOption::ServerIdentifier(ip)) => {
+            Some(*ip)
+        }
+        _ => None,
+    };
+    let requested = opt_ip(OptionCode::RequestedIpAddress);
+    let kind = match request.opts().msg_type() {
+        Some(MessageType::Discover) => AddressRequest::Discover { requested },
+        Some(MessageType::Request) => {
+            let ip = requested.unwrap_or(request.ciaddr());
+            if ip.is_unspecified() {
+                AddressRequest::Other
+            } else {
+                AddressRequest::Request {
+                    ip,
+                    for_server: opt_ip(OptionCode::ServerIdentifier),
+                }
+            }
+        }
+        Some(MessageType::Release) => AddressRequest::Release {
+            ip: request.ciaddr(),
+        },
+        Some(MessageType::Decline) => match requested {
+            Some(ip) => AddressRequest::Decline { ip },
+            None => AddressRequest::Other,
+        },
+        _ => AddressRequest::Other,
+    };
+    Some((mac_text(request.chaddr()), kind))
+}
+
+/// An OFFER, ACK or NAK from the address server: the address and the network's options, and
+/// for a boot client metalboot provisions, its boot program in the same packet.
+pub fn address_reply(
+    request: &Message,
+    kind: MessageType,
+    yiaddr: Ipv4Addr,
+    pool: &super::leases::Pool,
+    server: Ipv4Addr,
+    boot: Option<(&Client, &BootOffer)>,
+) -> Message {
+    let mut reply = Message::default();
+    reply
+        .set_opcode(Opcode::BootReply)
+        .set_htype(HType::Eth)
+        .set_xid(request.xid())
+        .set_flags(request.flags())
+        .set_chaddr(request.chaddr())
+        .set_giaddr(request.giaddr())
+        .set_yiaddr(if kind == MessageType::Nak {
+            Ipv4Addr::UNSPECIFIED
+        } else {
+            yiaddr
+        });
+    reply.opts_mut().insert(DhcpOption::MessageType(kind));
+    reply
+        .opts_mut()
+        .insert(DhcpOption::ServerIdentifier(server));
+    if kind == MessageType::Nak {
+        return reply;
+    }
+    let opts = reply.opts_mut();
+    opts.insert(DhcpOption::SubnetMask(pool.network.mask()));
+    if let Some(router) = pool.router {
+        opts.insert(DhcpOption::Router(vec![router]));
+    }
+    let seconds = u32::try_from(pool.lease_time.as_secs()).unwrap_or(u32::MAX);
+    opts.insert(DhcpOption::AddressLeaseTime(seconds));
+    opts.insert(DhcpOption::Renewal(seconds / 2));
+    opts.insert(DhcpOption::Rebinding(seconds / 8 * 7));
+    if let Some((client, offer)) = boot {
+        reply.set_siaddr(server);
+        add_boot(
+            &mut reply,
+            matches!(client, Client::Boot { http: true, .. }),
+            offer,
+        );
     }
     reply
 }

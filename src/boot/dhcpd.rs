@@ -5,14 +5,21 @@
 //! most `max_answers_per_mac` answers per MAC and minute, so a looping or hostile client costs a
 //! counter increment, not a log line or a reply.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::net::UdpSocket;
 
-use super::dhcp::{Answer, BootFiles, Ignored, answer};
+use dhcproto::Decodable;
+use dhcproto::v4::{Message, MessageType};
+
+use super::dhcp::{
+    AddressRequest, Answer, BootFiles, Client, Ignored, address_reply, address_request, answer,
+    boot_offer, classify,
+};
+use super::leases::{Leases, Refused};
 use super::netns::NetNamespace;
 
 /// Who the DHCP service answers, and whom it tells.
@@ -21,8 +28,12 @@ pub trait BootClients: Send + Sync + 'static {
     fn provisioning(&self, mac: &str) -> bool;
     /// Called once per reply sent (the per-hop timeline's first hop).
     fn answered(&self, _answer: &Answer) {}
-    /// A host being provisioned took this address from the site's DHCP server.
+    /// A host being provisioned took this address (from the site's DHCP server, or from ours).
     fn address_learned(&self, _mac: &str, _ip: Ipv4Addr) {}
+    /// Boot MAC → reserved address, from the MetalHosts (full-DHCP mode).
+    fn reservations(&self) -> BTreeMap<String, Ipv4Addr> {
+        BTreeMap::new()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -65,6 +76,8 @@ pub struct DhcpService {
     config: Arc<DhcpConfig>,
     clients: Arc<dyn BootClients>,
     limiter: Arc<Mutex<AnswerLimiter>>,
+    /// Full-DHCP mode: metalboot hands out the addresses too (None: proxyDHCP).
+    leases: Option<Arc<Mutex<Leases>>>,
 }
 
 impl DhcpService {
@@ -89,7 +102,15 @@ impl DhcpService {
             limiter: Arc::new(Mutex::new(AnswerLimiter::new(config.max_answers_per_mac))),
             config: Arc::new(config),
             clients,
+            leases: None,
         })
+    }
+
+    /// Full-DHCP mode: port 67 hands out addresses from `leases` to every client, with the boot
+    /// program for the boot clients metalboot provisions (the PXE port stays as in proxy mode).
+    pub fn with_leases(mut self, leases: Leases) -> Self {
+        self.leases = Some(Arc::new(Mutex::new(leases)));
+        self
     }
 
     /// The ports actually bound (tests bind port 0).
@@ -113,6 +134,10 @@ impl DhcpService {
             let clients = &self.clients;
             let wanted = |mac: &str| self.config.answer_all || clients.provisioning(mac);
             let packet = &buf[..n];
+            if let (Some(leases), false) = (&self.leases, pxe_port) {
+                self.serve_address(&socket, leases, packet).await;
+                continue;
+            }
             let decided = answer(
                 packet,
                 &self.config.files,
@@ -157,6 +182,134 @@ impl DhcpService {
                     tracing::warn!(mac = %answered.mac, %to, error = %e, "proxyDHCP answer not sent");
                 }
             }
+        }
+    }
+}
+
+impl DhcpService {
+    /// One packet on port 67 in full-DHCP mode.
+    async fn serve_address(&self, socket: &UdpSocket, leases: &Mutex<Leases>, packet: &[u8]) {
+        let Ok(request) = Message::decode(&mut dhcproto::Decoder::new(packet)) else {
+            crate::metrics::record_dhcp(Ignored::Malformed.label());
+            return;
+        };
+        let Some((mac, kind)) = address_request(&request) else {
+            crate::metrics::record_dhcp("not-a-request");
+            return;
+        };
+        let client = classify(&request);
+        let boots = matches!(client, Client::Boot { .. })
+            && (self.config.answer_all || self.clients.provisioning(&mac));
+        let boot = if boots {
+            boot_offer(&client, &self.config.files)
+        } else {
+            None
+        };
+        let server = self.config.server_ip;
+        let now = jiff::Timestamp::now().as_second().max(0) as u64;
+        let decided = {
+            let Ok(mut leases) = leases.lock() else {
+                return;
+            };
+            leases.set_reservations(self.clients.reservations());
+            let pool = leases.pool().clone();
+            let outcome = match kind {
+                AddressRequest::Discover { requested } => {
+                    match leases.offer(&mac, requested, now) {
+                        Some(ip) => Ok((MessageType::Offer, ip)),
+                        None => Err("pool-exhausted"),
+                    }
+                }
+                AddressRequest::Request { for_server, .. }
+                    if for_server.is_some_and(|s| s != server) =>
+                {
+                    Err("for-another-server")
+                }
+                AddressRequest::Request { ip, .. } => match leases.request(&mac, ip, now) {
+                    Ok(lease) => Ok((MessageType::Ack, lease.ip)),
+                    Err(Refused::NotYours(ip)) => Ok((MessageType::Nak, ip)),
+                    Err(Refused::NotRecorded(e)) => {
+                        tracing::error!(%mac, error = %e, "lease not recorded; not acknowledged");
+                        Err("lease-not-recorded")
+                    }
+                },
+                AddressRequest::Release { ip } => {
+                    leases.release(&mac, ip, false, now);
+                    Err("released")
+                }
+                AddressRequest::Decline { ip } => {
+                    tracing::warn!(%mac, %ip, "client declined an address: something else uses it");
+                    leases.release(&mac, ip, true, now);
+                    Err("declined")
+                }
+                AddressRequest::Other => Err("not-a-request"),
+            };
+            outcome.map(|(kind, ip)| (kind, ip, pool))
+        };
+        let (kind, ip, pool) = match decided {
+            Ok(decided) => decided,
+            Err(outcome) => {
+                crate::metrics::record_dhcp(outcome);
+                return;
+            }
+        };
+        let allowed = self
+            .limiter
+            .lock()
+            .map(|mut l| l.allow(&mac, Instant::now()))
+            .unwrap_or(false);
+        if !allowed {
+            crate::metrics::record_dhcp("rate-limited");
+            return;
+        }
+        let reply = address_reply(
+            &request,
+            kind,
+            ip,
+            &pool,
+            server,
+            boot.as_ref().map(|b| (&client, b)),
+        );
+        let Ok(bytes) = dhcproto::Encodable::to_vec(&reply) else {
+            return;
+        };
+        let answered = Answer {
+            mac: mac.clone(),
+            offer: boot.clone().unwrap_or(super::dhcp::BootOffer::Tftp {
+                file: String::new(),
+            }),
+            discover: kind == MessageType::Offer,
+            packet: bytes,
+            giaddr: request.giaddr(),
+            ciaddr: if kind == MessageType::Nak {
+                Ipv4Addr::UNSPECIFIED
+            } else {
+                request.ciaddr()
+            },
+        };
+        let to = destination(
+            &answered,
+            SocketAddr::from(([0, 0, 0, 0], 0)),
+            false,
+            &self.config,
+        );
+        if let Err(e) = socket.send_to(&answered.packet, to).await {
+            crate::metrics::record_dhcp("send-failed");
+            tracing::warn!(%mac, %to, error = %e, "DHCP answer not sent");
+            return;
+        }
+        let outcome = match kind {
+            MessageType::Offer => "offered",
+            MessageType::Ack => "acknowledged",
+            _ => "refused",
+        };
+        crate::metrics::record_dhcp(outcome);
+        tracing::info!(%mac, %ip, kind = outcome, boot = ?boot, %to, "DHCP answer");
+        if boots && kind == MessageType::Ack {
+            self.clients.address_learned(&mac, ip);
+        }
+        if boot.is_some() {
+            self.clients.answered(&answered);
         }
     }
 }

@@ -545,6 +545,20 @@ impl crate::boot::dhcpd::BootClients for BootState {
         }
     }
 
+    fn reservations(&self) -> std::collections::BTreeMap<String, std::net::Ipv4Addr> {
+        self.stores
+            .hosts
+            .state()
+            .iter()
+            .filter_map(|h| {
+                Some((
+                    ipxe::normalize_mac(&h.spec.boot_mac_address)?,
+                    h.spec.boot_ip_address?,
+                ))
+            })
+            .collect()
+    }
+
     fn answered(&self, answer: &crate::boot::dhcp::Answer) {
         let offer = match &answer.offer {
             crate::boot::dhcp::BootOffer::Tftp { file } => format!("tftp:{file}"),

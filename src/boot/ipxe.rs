@@ -267,6 +267,7 @@ mod tests {
                     ca_secret_name: None,
                 },
                 boot_mac_address: "52:54:00:AA:bb:01".into(),
+                boot_ip_address: None,
                 boot_mode: None,
                 online: true,
                 description: None,

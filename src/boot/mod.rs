@@ -9,6 +9,7 @@ pub mod dhcp;
 pub mod dhcpd;
 pub mod http;
 pub mod ipxe;
+pub mod leases;
 pub mod netns;
 pub mod nocloud;
 pub mod serve;

@@ -51,6 +51,7 @@ pub async fn create_host(client: &kube::Client, ns: &str, name: &str, mac: &str)
                 ca_secret_name: None,
             },
             boot_mac_address: mac.into(),
+            boot_ip_address: None,
             boot_mode: None,
             online: true,
             description: None,

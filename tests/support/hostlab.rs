@@ -119,6 +119,7 @@ impl Lab {
                     ca_secret_name: None,
                 },
                 boot_mac_address: self.sushy.systems[i].macs[0].clone(),
+                boot_ip_address: None,
                 boot_mode: None,
                 online: true,
                 description: None,
