@@ -87,6 +87,50 @@ async fn curl_fetches_undionly_byte_identical_with_blksize_1468() {
     assert!(got == original(), "byte-identical");
 }
 
+/// RFC 7440: atftp asks for a window of 8 blocks; the server acknowledges it and the file
+/// arrives whole. A window larger than the server's cap is cut to the cap.
+#[tokio::test]
+async fn atftp_with_windowsize_gets_the_window_and_the_whole_file() {
+    let addr = start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (asked, granted) in [(8, 8), (500, 16)] {
+        let out = dir.path().join(format!("undionly-{asked}.kpxe"));
+        let port = addr.port().to_string();
+        let local = out.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            Command::new("atftp")
+                .args(["--trace", "--option", "blksize 1468", "--option"])
+                .arg(format!("windowsize {asked}"))
+                .args(["-g", "-r", "undionly.kpxe", "-l"])
+                .arg(&local)
+                .args(["127.0.0.1", &port])
+                .output()
+                .expect("run atftp")
+        })
+        .await
+        .expect("atftp task");
+        let trace = format!(
+            "{}{}",
+            String::from_utf8_lossy(&result.stdout),
+            String::from_utf8_lossy(&result.stderr)
+        );
+        let oack = trace
+            .lines()
+            .find(|l| l.contains("OACK"))
+            .unwrap_or_else(|| panic!("no OACK in the trace:\n{trace}"));
+        assert!(oack.contains(&format!("windowsize: {granted}")), "{oack}");
+        // ACKs only every window: far fewer than one per block.
+        let acks = trace.lines().filter(|l| l.contains("sent ACK")).count();
+        let blocks = original().len().div_ceil(1468);
+        println!("windowsize {asked}: {acks} ACKs for {blocks} blocks");
+        assert!(
+            acks > 0 && acks < blocks / 4,
+            "{acks} ACKs for {blocks} blocks:\n{trace}"
+        );
+        assert!(std::fs::read(&out).expect("downloaded") == original());
+    }
+}
+
 #[tokio::test]
 async fn atftp_trace_shows_blksize_and_tsize_negotiated() {
     let addr = start().await;

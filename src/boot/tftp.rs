@@ -14,6 +14,7 @@
 //! timeout; a client's ERROR ends its transfer at once; memory per transfer is one block and the
 //! read buffer, whatever the file size.
 
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -88,6 +89,9 @@ pub struct TftpLimits {
     pub block_size: u16,
     /// Read-ahead per transfer: the memory a transfer holds, whatever the file size.
     pub read_buffer: usize,
+    /// Largest RFC 7440 window (blocks sent before an ACK is awaited); memory per transfer is
+    /// this many blocks.
+    pub max_window: u16,
 }
 
 impl Default for TftpLimits {
@@ -101,6 +105,7 @@ impl Default for TftpLimits {
             retries: 3,
             block_size: 1468,
             read_buffer: 16 * 1024,
+            max_window: 16,
         }
     }
 }
@@ -251,6 +256,17 @@ pub fn negotiate(
         }
     }
     (block, accepted)
+}
+
+/// RFC 7440 `windowsize`: how many blocks go out before an ACK is awaited, capped at `limit`;
+/// None when not asked (or not a number from 1 to 65535), which means one.
+pub fn negotiate_window(options: &[(String, String)], limit: u16) -> Option<u16> {
+    options
+        .iter()
+        .find(|(key, _)| key == "windowsize")
+        .and_then(|(_, value)| value.parse::<u16>().ok())
+        .filter(|w| *w >= 1)
+        .map(|w| w.min(limit.max(1)))
 }
 
 /// A bound TFTP server; `serve` runs it until the process ends.
@@ -501,60 +517,73 @@ impl Transfer {
         size: u64,
         options: &[(String, String)],
     ) -> Ended {
-        let (block_size, accepted) = negotiate(options, self.limits.block_size, size);
+        let (block_size, mut accepted) = negotiate(options, self.limits.block_size, size);
+        let window_size = negotiate_window(options, self.limits.max_window);
+        if let Some(w) = window_size {
+            accepted.push(("windowsize".into(), w.to_string()));
+        }
+        let window_size = usize::from(window_size.unwrap_or(1));
         let mut reader = BufReader::with_capacity(self.limits.read_buffer, file);
         let mut acknowledged_once = false;
         if !accepted.is_empty() {
-            match self
-                .exchange(socket, &wire::oack(&accepted), 0, acknowledged_once)
-                .await
-            {
-                Ok(()) => acknowledged_once = true,
+            let oack = VecDeque::from([(0u16, wire::oack(&accepted))]);
+            match self.exchange(socket, &oack, acknowledged_once).await {
+                Ok(_) => acknowledged_once = true,
                 Err(ended) => return ended,
             }
         }
-        let mut block: u16 = 1;
+        // Blocks sent and not yet acknowledged (at most `window_size`), oldest first.
+        let mut window: VecDeque<(u16, Vec<u8>)> = VecDeque::with_capacity(window_size);
+        let mut next_block: u16 = 1;
+        let mut last_read = false;
         let mut payload = vec![0u8; block_size];
         loop {
-            let mut filled = 0;
-            while filled < block_size {
-                match reader.read(&mut payload[filled..]).await {
-                    Ok(0) => break,
-                    Ok(n) => filled += n,
-                    Err(e) => {
-                        tracing::warn!(client = %self.client, error = %e, "TFTP read failed mid-transfer");
-                        let _ = socket
-                            .send_to(&wire::error(wire::NOT_DEFINED, "read failed"), self.client)
-                            .await;
-                        return Ended::Abandoned;
+            while !last_read && window.len() < window_size {
+                let mut filled = 0;
+                while filled < block_size {
+                    match reader.read(&mut payload[filled..]).await {
+                        Ok(0) => break,
+                        Ok(n) => filled += n,
+                        Err(e) => {
+                            tracing::warn!(client = %self.client, error = %e, "TFTP read failed mid-transfer");
+                            let _ = socket
+                                .send_to(
+                                    &wire::error(wire::NOT_DEFINED, "read failed"),
+                                    self.client,
+                                )
+                                .await;
+                            return Ended::Abandoned;
+                        }
                     }
                 }
+                window.push_back((next_block, wire::data(next_block, &payload[..filled])));
+                last_read = filled < block_size;
+                next_block = next_block.wrapping_add(1);
             }
-            let packet = wire::data(block, &payload[..filled]);
-            if let Err(ended) = self
-                .exchange(socket, &packet, block, acknowledged_once)
-                .await
-            {
-                return ended;
+            match self.exchange(socket, &window, acknowledged_once).await {
+                Ok(acked) => {
+                    acknowledged_once = true;
+                    // Go-back-N (RFC 7440 §4): what follows the acknowledged block goes again.
+                    window.drain(..=acked);
+                    if last_read && window.is_empty() {
+                        return Ended::Done;
+                    }
+                }
+                Err(ended) => return ended,
             }
-            acknowledged_once = true;
-            if filled < block_size {
-                return Ended::Done;
-            }
-            block = block.wrapping_add(1);
         }
     }
 
-    /// Sends `packet` and waits for the ACK of `block`, resending on timeout only once the client
-    /// has acknowledged something. Packets from other addresses are ignored, a duplicate ACK is not
-    /// answered (no Sorcerer's Apprentice), an ERROR from the client ends the transfer.
+    /// Sends the window's packets and waits for the ACK of one of them (its index), resending
+    /// on timeout only once the client has acknowledged something. Packets from other addresses
+    /// are ignored, an ACK of a block outside the window is not answered (no Sorcerer's
+    /// Apprentice), an ERROR from the client ends the transfer.
     async fn exchange(
         &self,
         socket: &UdpSocket,
-        packet: &[u8],
-        block: u16,
+        window: &VecDeque<(u16, Vec<u8>)>,
         acknowledged_once: bool,
-    ) -> Result<(), Ended> {
+    ) -> Result<usize, Ended> {
         let (sends, timeout) = if acknowledged_once {
             (self.limits.retries + 1, self.limits.timeout)
         } else {
@@ -562,8 +591,10 @@ impl Transfer {
         };
         let mut buf = [0u8; 1024];
         for _ in 0..sends {
-            if socket.send_to(packet, self.client).await.is_err() {
-                return Err(Ended::Abandoned);
+            for (_, packet) in window {
+                if socket.send_to(packet, self.client).await.is_err() {
+                    return Err(Ended::Abandoned);
+                }
             }
             let deadline = tokio::time::Instant::now() + timeout;
             loop {
@@ -575,7 +606,11 @@ impl Transfer {
                     continue;
                 }
                 match wire::parse_client_packet(&buf[..n]) {
-                    wire::ClientPacket::Ack(acked) if acked == block => return Ok(()),
+                    wire::ClientPacket::Ack(acked) => {
+                        if let Some(i) = window.iter().position(|(block, _)| *block == acked) {
+                            return Ok(i);
+                        }
+                    }
                     wire::ClientPacket::Error(..) => return Err(Ended::ClientError),
                     _ => {}
                 }
@@ -673,6 +708,13 @@ mod tests {
                 .collect()
         };
         assert_eq!(negotiate(&[], 1468, 10), (512, vec![]));
+        let window = |v: &str| negotiate_window(&opts(&[("windowsize", v)]), 16);
+        assert_eq!(window("4"), Some(4));
+        assert_eq!(window("64"), Some(16), "capped");
+        assert_eq!(window("0"), None);
+        assert_eq!(window("70000"), None);
+        assert_eq!(window("x"), None);
+        assert_eq!(negotiate_window(&[], 16), None);
         assert_eq!(
             negotiate(
                 &opts(&[
