@@ -9,6 +9,7 @@ packages=(
   ipxe                        # undionly.kpxe / ipxe.efi served over TFTP
   ovmf                        # UEFI lab hosts (EDK2 PXE and HTTP Boot)
   iproute2 dnsmasq-base       # the bridged lab network; dnsmasq plays the site's DHCP server
+  ipmitool openipmi           # the IPMI driver's tool; ipmi_sim, a real IPMI BMC for tests
   busybox-static cpio kmod    # the lab OS initramfs
 )
 missing=()

@@ -807,6 +807,8 @@ fn dockerfile_matches_the_deployments() {
         "{dockerfile}"
     );
     assert!(dockerfile.contains("USER 65532:65532"), "{dockerfile}");
+    // IPMI hosts need ipmitool in the image (the driver runs it).
+    assert!(dockerfile.contains("/usr/bin/ipmitool"), "{dockerfile}");
     for program in ["undionly.kpxe", "ipxe.efi", "snponly.efi"] {
         assert!(dockerfile.contains(&format!("/usr/lib/ipxe/{program}")));
         assert!(

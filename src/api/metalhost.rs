@@ -138,8 +138,9 @@ impl MetalHostSpec {
 #[serde(rename_all = "camelCase")]
 pub struct BmcDetails {
     /// BMC address: `redfish://host[:port][/redfish/v1/Systems/<id>]` (HTTPS),
-    /// `redfish+https://…`, `redfish+http://…` (plain HTTP, labs only). `ipmi://host[:port]` is
-    /// reserved for the IPMI driver. Without a system path the BMC's only system is used.
+    /// `redfish+https://…`, `redfish+http://…` (plain HTTP, labs only), or `ipmi://host[:port]`
+    /// (IPMI 2.0 over LAN, RMCP+, through ipmitool; port 623 by default). Without a system path
+    /// the Redfish BMC's only system is used.
     #[schemars(regex(
         pattern = r"^(redfish|redfish\+http|redfish\+https|ipmi)://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]+)?(/[^\s]*)?$"
     ))]

@@ -7,12 +7,13 @@ use std::time::Duration;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 
-use super::redfish::{RedfishBmc, RedfishOptions};
+use super::redfish::RedfishOptions;
 use super::{Bmc, BootDevice, BootMode, Credentials, Secret};
 
 #[derive(Debug, Args)]
 pub struct BmcArgs {
-    /// BMC address, e.g. `redfish://10.0.0.5/redfish/v1/Systems/1` or `redfish+http://127.0.0.1:8000`.
+    /// BMC address, e.g. `redfish://10.0.0.5/redfish/v1/Systems/1`, `redfish+http://127.0.0.1:8000`
+    /// or `ipmi://10.0.0.6[:623]` (IPMI over LAN through ipmitool).
     #[arg(long, env = "METALBOOT_BMC_ADDRESS")]
     pub address: String,
     /// Read `username`/`password` from this Secret (`namespace/name`) via the default kubeconfig.
@@ -155,15 +156,15 @@ pub async fn run(args: BmcArgs) -> Result<(), String> {
         disable_certificate_verification: args.insecure,
         ..RedfishOptions::default()
     };
-    let bmc = RedfishBmc::new(&args.address, creds, options)
+    let bmc = super::connect(&args.address, creds, options)
         .map_err(|e| format!("{} ({})", e, e.reason()))?;
-    let result = command(&bmc, &args).await;
+    let result = command(bmc.as_ref(), &args).await;
     // Close the session whatever happened; a logout failure only matters if all else worked.
     let logout = bmc.logout().await.map_err(|e| e.to_string());
     result.and(logout)
 }
 
-async fn command(bmc: &RedfishBmc, args: &BmcArgs) -> Result<(), String> {
+async fn command(bmc: &dyn Bmc, args: &BmcArgs) -> Result<(), String> {
     let out = args.output;
     let e = |e: super::BmcError| format!("{} ({})", e, e.reason());
     match &args.command {
@@ -244,7 +245,7 @@ async fn command(bmc: &RedfishBmc, args: &BmcArgs) -> Result<(), String> {
 }
 
 async fn action(
-    bmc: &RedfishBmc,
+    bmc: &dyn Bmc,
     out: Output,
     what: &str,
     fut: super::BmcFuture<'_, ()>,

@@ -6,6 +6,7 @@
 //! performs one BMC operation per call and says precisely what went wrong when it cannot.
 
 pub mod cli;
+pub mod ipmi;
 pub mod redfish;
 
 use std::fmt;
@@ -18,6 +19,26 @@ use serde::Serialize;
 pub use crate::api::metalhost::{BootMode, HardwareInventory, NicInfo, PowerState};
 
 /// The future every [`Bmc`] operation returns: boxed so the trait stays object safe.
+/// The driver for an address: `ipmi://` gets IPMI (ipmitool), everything else Redfish.
+pub fn connect(
+    address: &str,
+    credentials: Credentials,
+    options: redfish::RedfishOptions,
+) -> Result<std::sync::Arc<dyn Bmc>, BmcError> {
+    if address.to_ascii_lowercase().starts_with("ipmi://") {
+        return Ok(std::sync::Arc::new(ipmi::IpmiBmc::new(
+            address,
+            credentials,
+            options.timeout,
+        )?));
+    }
+    Ok(std::sync::Arc::new(redfish::RedfishBmc::new(
+        address,
+        credentials,
+        options,
+    )?))
+}
+
 pub type BmcFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BmcError>> + Send + 'a>>;
 
 /// One baseboard management controller, bound to one system (server) behind it.

@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use kube::api::Api;
 
 use crate::api::MetalHost;
-use crate::bmc::redfish::{RedfishBmc, RedfishOptions};
+use crate::bmc::redfish::RedfishOptions;
 use crate::bmc::{Bmc, BmcError, Credentials};
 
 /// Everything needed to talk to one host's BMC.
@@ -66,11 +66,7 @@ impl BmcConnector for RedfishConnector {
             disable_certificate_verification: target.disable_certificate_verification,
             ..RedfishOptions::default()
         };
-        let bmc: Arc<dyn Bmc> = Arc::new(RedfishBmc::new(
-            &target.address,
-            target.credentials,
-            options,
-        )?);
+        let bmc: Arc<dyn Bmc> = crate::bmc::connect(&target.address, target.credentials, options)?;
         if let Ok(mut cache) = self.cache.lock() {
             cache.insert(host_key.to_string(), (target.fingerprint, bmc.clone()));
         }
