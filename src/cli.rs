@@ -297,6 +297,10 @@ pub struct LabArgs {
     /// when the namespaces cannot be created, and says so.
     #[arg(long, value_enum, default_value_t = LabNetworkArg::Bridged)]
     pub network: LabNetworkArg,
+    /// How many hosts (the last ones) sit behind an IPMI BMC (OpenIPMI's ipmi_sim in front of
+    /// the virtual BMC) instead of Redfish.
+    #[arg(long, default_value_t = 1)]
+    pub ipmi_hosts: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -313,6 +317,7 @@ impl LabArgs {
             memory_mib: self.memory_mib,
             boot_timeout_seconds: self.boot_timeout_seconds,
             standalone: self.standalone,
+            ipmi_hosts: self.ipmi_hosts,
             network: match self.network {
                 LabNetworkArg::Bridged => crate::lab::up::NetworkMode::Bridged,
                 LabNetworkArg::User => crate::lab::up::NetworkMode::User,

@@ -125,6 +125,25 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
         firmware,
         [Firmware::Bios, Firmware::UefiPxe, Firmware::UefiHttp]
     );
+    // The last host is driven over IPMI: metalboot's ipmitool → ipmi_sim → the virtual BMC.
+    let ipmi_host = state.hosts.last().expect("hosts");
+    assert!(ipmi_host.bmc.starts_with("ipmi://"), "{ipmi_host:?}");
+    assert!(
+        state.hosts[..2]
+            .iter()
+            .all(|h| h.bmc.starts_with("redfish+http://")),
+        "{:?}",
+        state.hosts
+    );
+    let chassis = std::fs::read_to_string(
+        dir.join("hosts")
+            .join(&ipmi_host.name)
+            .join("ipmi/chassis.log"),
+    )
+    .expect("ipmi_sim's chassis log");
+    for want in ["set boot pxe", "set power 1"] {
+        assert!(chassis.lines().any(|l| l == want), "{want}: {chassis}");
+    }
     // Per-hop timeline: every host was answered by metalboot's proxyDHCP; only the EDK2 PXE host
     // fetched its boot program over TFTP.
     let timings: std::collections::BTreeMap<String, Timeline> =
@@ -156,7 +175,13 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
     );
     // The same timeline as metrics, read from the boot service on the lab's bridge.
     let metrics = Command::new("ip")
-        .args(["netns", "exec", metalboot::lab::up::NETNS, "curl", "-sf"])
+        .args([
+            "netns",
+            "exec",
+            state.netns.as_deref().expect("the lab's namespace"),
+            "curl",
+            "-sf",
+        ])
         .arg(format!("{}/metrics", state.boot_url))
         .output()
         .expect("curl the boot service's metrics");

@@ -1,5 +1,6 @@
 //! The local lab: QEMU hosts behind a virtual Redfish BMC, the lab OS image, and `lab up`.
 
+pub mod ipmi;
 pub mod net;
 pub mod qemu;
 pub mod relay;

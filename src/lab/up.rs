@@ -41,6 +41,8 @@ pub struct LabOptions {
     pub boot_timeout_seconds: i32,
     /// metalboot's standalone controllers run the Machines, instead of upstream core.
     pub standalone: bool,
+    /// How many of the hosts (the last ones) sit behind an IPMI BMC instead of Redfish.
+    pub ipmi_hosts: u32,
     /// How hosts are wired: a bridged network in namespaces (real DHCP/PXE/TFTP) or QEMU's
     /// user-mode network (its DHCP hands iPXE the script URL).
     pub network: NetworkMode,
@@ -53,9 +55,20 @@ pub enum NetworkMode {
     User,
 }
 
-/// The lab's network namespace (fixed: one lab per machine, leftovers of a killed lab are
-/// deleted by the next).
-pub const NETNS: &str = "metalboot-lab";
+/// The lab's network namespace: named after the lab directory, so two labs (a developer's and a
+/// test's) never share one, and the next lab in the same directory deletes a killed one's.
+pub fn netns_name(dir: &Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // FNV-1a: stable across runs and Rust versions, unlike the std hasher.
+    let hash = dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("metalboot-lab-{:08x}", hash as u32)
+}
 
 /// Which firmware lab host `i` has on the bridged network: every kind in turn.
 pub fn firmware_of(i: u32, network: NetworkMode) -> Firmware {
@@ -100,6 +113,10 @@ pub struct LabState {
     /// The network the lab ended up with (bridged, or user-mode when namespaces failed).
     #[serde(default = "user_network")]
     pub network: NetworkMode,
+    /// The provisioning network's namespace (bridged network): `ip netns exec <it> …` reaches
+    /// the boot service and the hosts.
+    #[serde(default)]
+    pub netns: Option<String>,
 }
 
 fn user_network() -> NetworkMode {
@@ -112,6 +129,9 @@ pub struct LabHost {
     pub mac: String,
     #[serde(default = "bios")]
     pub firmware: Firmware,
+    /// The BMC address of its MetalHost (`redfish+http://…` or `ipmi://…`).
+    #[serde(default)]
+    pub bmc: String,
     pub serial_log: PathBuf,
 }
 
@@ -239,7 +259,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     // The bridged network when the machine allows it; otherwise user-mode, said loudly.
     let mut network = match opts.network {
         NetworkMode::User => None,
-        NetworkMode::Bridged => match LabNetwork::create(NETNS) {
+        NetworkMode::Bridged => match LabNetwork::create(&netns_name(&dir)) {
             Ok(mut net) => match net.start_site_dhcp(&dir.join("network")) {
                 Ok(()) => Some(net),
                 Err(e) => {
@@ -351,6 +371,39 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     let bmc_url = format!("redfish+http://127.0.0.1:{bmc_port}");
     tokio::spawn(async move { axum::serve(listener, vbmc::router(bmc)).await });
 
+    // The last `ipmi_hosts` hosts answer IPMI (ipmi_sim in front of the virtual BMC).
+    let ipmi_password = crate::boot::tokens::Token::mint().expose()[..16].to_string();
+    let mut ipmi_fronts = Vec::new();
+    let mut bmcs: Vec<(String, &'static str)> = hosts
+        .iter()
+        .map(|h| {
+            (
+                format!("{bmc_url}/redfish/v1/Systems/{}", h.spec.name),
+                "lab-bmc",
+            )
+        })
+        .collect();
+    let ipmi_from = opts.hosts.saturating_sub(opts.ipmi_hosts) as usize;
+    if opts.ipmi_hosts > 0 && !super::ipmi::available() {
+        tracing::warn!(
+            "ipmi_sim, ipmitool or curl missing (packages openipmi, ipmitool, curl): every lab host uses Redfish"
+        );
+    } else {
+        for (i, h) in hosts.iter().enumerate().skip(ipmi_from) {
+            let front = super::ipmi::start(
+                &h.spec.dir.join("ipmi"),
+                &h.spec.name,
+                &format!("http://127.0.0.1:{bmc_port}"),
+                ("admin", &bmc_password),
+                ("admin", &ipmi_password),
+            )
+            .map_err(io(format!("starting ipmi_sim for {}", h.spec.name)))?;
+            tracing::info!(host = %h.spec.name, address = %front.address(), "lab host behind an IPMI BMC (ipmi_sim)");
+            bmcs[i] = (front.address(), "lab-ipmi");
+            ipmi_fronts.push(front);
+        }
+    }
+
     let api_port = cp.server.rsplit(':').next().unwrap_or("6443").to_string();
     // The lab OS reaches the apiserver through a loopback relay (see lab::relay).
     let relay_listener = boot_netns
@@ -376,8 +429,8 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         mode,
         &host_side_ip,
         &cp,
-        &bmc_url,
-        &bmc_password,
+        &bmcs,
+        (&bmc_password, &ipmi_password),
         &api_port,
         relay_port,
     )
@@ -390,12 +443,15 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         boot_url,
         bmc_url,
         network: mode,
+        netns: network.as_ref().map(|n| n.netns.clone()),
         hosts: hosts
             .iter()
-            .map(|h| LabHost {
+            .enumerate()
+            .map(|(i, h)| LabHost {
                 name: h.spec.name.clone(),
                 mac: h.spec.mac.clone(),
                 firmware: h.spec.firmware,
+                bmc: bmcs.get(i).map(|b| b.0.clone()).unwrap_or_default(),
                 serial_log: h.serial_log(),
             })
             .collect(),
@@ -474,6 +530,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         let _ = h.force_off().await;
     }
     drop(manager);
+    drop(ipmi_fronts);
     drop(network.take());
     cp.stop();
     let _ = std::fs::remove_file(dir.join("state.json"));
@@ -488,8 +545,8 @@ async fn create_objects(
     mode: NetworkMode,
     host_side_ip: &str,
     cp: &ControlPlane,
-    bmc_url: &str,
-    bmc_password: &str,
+    bmcs: &[(String, &str)],
+    (bmc_password, ipmi_password): (&str, &str),
     api_port: &str,
     relay_port: u16,
 ) -> Result<(), LabError> {
@@ -539,6 +596,18 @@ async fn create_objects(
             vec![
                 ("username", b"admin".to_vec()),
                 ("password", bmc_password.as_bytes().to_vec()),
+            ],
+        ),
+    )
+    .await?;
+    apply(
+        &secrets,
+        &secret(
+            "lab-ipmi",
+            None,
+            vec![
+                ("username", b"admin".to_vec()),
+                ("password", ipmi_password.as_bytes().to_vec()),
             ],
         ),
     )
@@ -683,7 +752,7 @@ async fn create_objects(
             "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalHost",
             "metadata": {"name": format!("lab-host-{i}"), "namespace": NAMESPACE,
                 "labels": {"metalboot.io/role": "worker", "metalboot.io/failure-domain": format!("rack-{}", i % 2)}},
-            "spec": {"bmc": {"address": format!("{bmc_url}/redfish/v1/Systems/lab-host-{i}"), "credentialsName": "lab-bmc"},
+            "spec": {"bmc": {"address": bmcs[i as usize].0, "credentialsName": bmcs[i as usize].1},
                 "bootMACAddress": mac_of(i), "online": true,
                 "bootMode": if firmware_of(i, mode).uefi() { "UEFI" } else { "Legacy" },
                 "description": format!("QEMU lab host {i}")},
@@ -960,6 +1029,7 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
         &opts.boot_timeout_seconds.to_string(),
     ])
     .args(opts.standalone.then_some("--standalone"))
+    .args(["--ipmi-hosts", &opts.ipmi_hosts.to_string()])
     .args([
         "--network",
         match opts.network {
