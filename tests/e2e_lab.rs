@@ -257,6 +257,23 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
                 )
         );
     }
+    // Every MetalHost was probed at registration: its status says what its BMC speaks.
+    let hosts_api: Api<MetalHost> = Api::namespaced(client.clone(), NAMESPACE);
+    for host in &state.hosts {
+        let probed = hosts_api
+            .get(&host.name)
+            .await
+            .expect("MetalHost")
+            .status
+            .and_then(|s| s.bmc)
+            .unwrap_or_else(|| panic!("{}: no status.bmc", host.name));
+        let want = if host.bmc.starts_with("ipmi://") {
+            "IPMI"
+        } else {
+            "Redfish"
+        };
+        assert_eq!(probed.protocol, want, "{}: {probed:?}", host.name);
+    }
     // Which host runs which Machine is decided by the claim, not by the order of creation.
     let metal_machines: Api<MetalMachine> = Api::namespaced(client.clone(), NAMESPACE);
     let mut machine_of_host = std::collections::BTreeMap::new();

@@ -59,6 +59,17 @@ async fn power_and_boot_once_reach_the_simulated_chassis() {
     ] {
         assert!(calls.iter().any(|c| c == want), "{want} in {calls:?}");
     }
+    let probe = bmc.probe().await.expect("probe");
+    println!(
+        "metalboot bmc probe (ipmi_sim):\n{}",
+        metalboot::bmc::cli::probe_text(&probe)
+    );
+    assert_eq!(probe.protocol, "IPMI");
+    assert_eq!(
+        probe.cipher_suite,
+        Some(3),
+        "ipmi_sim refuses suite 17's algorithms"
+    );
     let inventory = bmc.inventory().await.expect("mc info");
     assert_eq!(
         inventory.extra.get("protocol").map(String::as_str),

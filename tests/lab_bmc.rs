@@ -48,6 +48,13 @@ async fn the_lab_bmc_passes_the_redfish_conformance_suite() {
     .await
     .unwrap_or_else(|e| panic!("conformance failed: {e}"));
     println!("{report:?}");
+    println!(
+        "metalboot bmc probe (lab BMC):\n{}",
+        metalboot::bmc::cli::probe_text(&report.probe)
+    );
+    assert_eq!(report.probe.sessions, Some(true));
+    assert_eq!(report.probe.uefi_http_boot, Some(true));
+    assert_eq!(report.probe.boot_modes, ["Legacy", "UEFI"]);
     assert!(
         host.power_ons().await >= 2,
         "QEMU was really started by the power actions"

@@ -99,6 +99,10 @@ async fn conformance_direct_with_basic_auth_and_no_system_path() {
         Some(emu.systems[0].uuid.as_str())
     );
     assert_eq!(inv.manufacturer.as_deref(), Some("Sushy Emulator"));
+    println!(
+        "metalboot bmc probe (sushy-tools):\n{}",
+        metalboot::bmc::cli::probe_text(&report.probe)
+    );
     let macs: Vec<_> = inv.nics.iter().filter_map(|n| n.mac.clone()).collect();
     assert_eq!(macs, emu.systems[0].macs);
     // sushy-tools quirk: a `Once` override reads back as `Continuous`.

@@ -230,6 +230,10 @@ pub struct MetalHostStatus {
     /// Hardware inventory read from the BMC once at registration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<HardwareInventory>,
+    /// What the BMC can do, probed once at registration without changing anything
+    /// (`metalboot bmc probe` shows the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bmc: Option<BmcCapabilities>,
     /// Kind of the fault when state is Error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_type: Option<HostErrorType>,
@@ -307,6 +311,51 @@ pub struct HardwareInventory {
     /// Other facts, free-form.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra: BTreeMap<String, String>,
+}
+
+/// A BMC's capabilities, read without changing anything: what it speaks, what it offers for
+/// power and boot, and the details drivers trip over (sessions, ETags, ActionInfo).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BmcCapabilities {
+    /// `Redfish` or `IPMI`.
+    pub protocol: String,
+    /// The service root's `RedfishVersion`, or the IPMI version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol_version: Option<String>,
+    /// BMC vendor (Redfish `Vendor`, else the manager's `Manufacturer`; IPMI manufacturer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor: Option<String>,
+    /// BMC firmware version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware_version: Option<String>,
+    /// Sessions offered (Redfish SessionService; IPMI RMCP+ sessions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<bool>,
+    /// Reset types offered, from the action's allowable values or its ActionInfo.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reset_types: Vec<String>,
+    /// Where the reset types came from: `AllowableValues`, `ActionInfo` or `none advertised`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_types_source: Option<String>,
+    /// One-time boot targets offered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub boot_targets: Vec<String>,
+    /// Boot override modes offered (UEFI, Legacy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub boot_modes: Vec<String>,
+    /// The system resource carries an ETag, so changes are sent with If-Match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag: Option<bool>,
+    /// Virtual media (system or manager).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_media: Option<bool>,
+    /// UEFI HTTP boot offered as a boot target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uefi_http_boot: Option<bool>,
+    /// IPMI: the RMCP+ cipher suite the BMC accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cipher_suite: Option<u8>,
 }
 
 /// One network interface.

@@ -69,6 +69,9 @@ pub enum BmcCommand {
     },
     /// Manufacturer, model, serial, UUID, BIOS version and NIC MACs.
     Inventory,
+    /// What the BMC can do — protocol and firmware version, sessions, reset types, boot targets
+    /// and modes, ETags, virtual media, UEFI HTTP boot — read without changing anything.
+    Probe,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -83,6 +86,54 @@ pub enum CliBootDevice {
 pub enum CliBootMode {
     Uefi,
     Legacy,
+}
+
+/// The probe as an operator reads it.
+pub fn probe_text(c: &super::BmcCapabilities) -> String {
+    let f = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let b = |v: Option<bool>| match v {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "-",
+    };
+    let list = |v: &[String]| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    let mut text = format!(
+        "protocol:       {} {}
+vendor:         {}
+firmware:       {}
+sessions:       {}
+reset types:    {} ({})
+boot targets:   {}
+boot modes:     {}
+ETag:           {}
+virtual media:  {}
+UEFI HTTP boot: {}",
+        c.protocol,
+        f(&c.protocol_version),
+        f(&c.vendor),
+        f(&c.firmware_version),
+        b(c.sessions),
+        list(&c.reset_types),
+        f(&c.reset_types_source),
+        list(&c.boot_targets),
+        list(&c.boot_modes),
+        b(c.etag),
+        b(c.virtual_media),
+        b(c.uefi_http_boot),
+    );
+    if let Some(suite) = c.cipher_suite {
+        text.push_str(&format!(
+            "
+cipher suite:   {suite}"
+        ));
+    }
+    text
 }
 
 async fn credentials(args: &BmcArgs) -> Result<Credentials, String> {
@@ -219,6 +270,10 @@ async fn command(bmc: &dyn Bmc, args: &BmcArgs) -> Result<(), String> {
                         .unwrap_or_default()
                 )
             })
+        }
+        BmcCommand::Probe => {
+            let caps = bmc.probe().await.map_err(e)?;
+            print(out, &caps, || probe_text(&caps))
         }
         BmcCommand::Inventory => {
             let inv = bmc.inventory().await.map_err(e)?;

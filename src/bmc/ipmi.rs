@@ -19,8 +19,8 @@ use tokio::process::Command;
 use tokio::sync::Mutex;
 
 use super::{
-    Bmc, BmcError, BmcFuture, BootDevice, BootMode, BootOverride, Credentials, HardwareInventory,
-    PowerAction, PowerState, Unreachable,
+    Bmc, BmcCapabilities, BmcError, BmcFuture, BootDevice, BootMode, BootOverride, Credentials,
+    HardwareInventory, PowerAction, PowerState, Unreachable,
 };
 
 /// Suites tried in order until one is accepted.
@@ -384,6 +384,37 @@ impl Bmc for IpmiBmc {
             }
             inventory.extra.insert("protocol".into(), "IPMI 2.0".into());
             Ok(inventory)
+        })
+    }
+
+    fn probe(&self) -> BmcFuture<'_, BmcCapabilities> {
+        Box::pin(async move {
+            let text = self.run("probe", &["mc", "info"]).await?;
+            let field = |name: &str| {
+                text.lines().find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    (k.trim() == name)
+                        .then(|| v.trim().chars().take(100).collect::<String>())
+                        .filter(|v| !v.is_empty())
+                })
+            };
+            Ok(BmcCapabilities {
+                protocol: "IPMI".into(),
+                protocol_version: field("IPMI Version"),
+                vendor: field("Manufacturer Name"),
+                firmware_version: field("Firmware Revision"),
+                sessions: Some(true),
+                reset_types: ["on", "soft", "off", "cycle", "reset"]
+                    .map(String::from)
+                    .to_vec(),
+                reset_types_source: Some("IPMI chassis control".into()),
+                boot_targets: ["pxe", "disk", "cdrom"].map(String::from).to_vec(),
+                boot_modes: ["Legacy", "UEFI"].map(String::from).to_vec(),
+                etag: None,
+                virtual_media: Some(false),
+                uefi_http_boot: Some(false),
+                cipher_suite: *self.cipher.lock().await,
+            })
         })
     }
 

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-pub use crate::api::metalhost::{BootMode, HardwareInventory, NicInfo, PowerState};
+pub use crate::api::metalhost::{
+    BmcCapabilities, BootMode, HardwareInventory, NicInfo, PowerState,
+};
 
 /// The future every [`Bmc`] operation returns: boxed so the trait stays object safe.
 /// The driver for an address: `ipmi://` gets IPMI (ipmitool), everything else Redfish.
@@ -62,6 +64,8 @@ pub trait Bmc: Send + Sync {
     fn eject_media(&self) -> BmcFuture<'_, ()>;
     /// Hardware facts: manufacturer, model, serial, UUID, BIOS version, NIC MACs.
     fn inventory(&self) -> BmcFuture<'_, HardwareInventory>;
+    /// What the BMC can do, read without changing anything.
+    fn probe(&self) -> BmcFuture<'_, BmcCapabilities>;
     /// End the BMC session, if one is open. Harmless to call twice.
     fn logout(&self) -> BmcFuture<'_, ()>;
 

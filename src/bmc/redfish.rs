@@ -21,10 +21,11 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 use super::{
-    Bmc, BmcError, BmcFuture, BootDevice, BootMode, BootOverride, Credentials, HardwareInventory,
-    NicInfo, PowerAction, PowerState, Secret, Unreachable,
+    Bmc, BmcCapabilities, BmcError, BmcFuture, BootDevice, BootMode, BootOverride, Credentials,
+    HardwareInventory, NicInfo, PowerAction, PowerState, Secret, Unreachable,
 };
 
+const SERVICE_ROOT: &str = "/redfish/v1";
 const SYSTEMS: &str = "/redfish/v1/Systems";
 const DEFAULT_SESSIONS: &str = "/redfish/v1/SessionService/Sessions";
 
@@ -42,6 +43,9 @@ pub struct RedfishOptions {
     /// First backoff delay; doubled per attempt up to `max_backoff`.
     pub backoff: Duration,
     pub max_backoff: Duration,
+    /// Longest `Retry-After` honoured on a busy answer (503/429); a BMC asking for more is
+    /// retried after this long, within the same attempt budget.
+    pub max_retry_after: Duration,
 }
 
 impl Default for RedfishOptions {
@@ -53,6 +57,7 @@ impl Default for RedfishOptions {
             attempts: 3,
             backoff: Duration::from_millis(500),
             max_backoff: Duration::from_secs(4),
+            max_retry_after: Duration::from_secs(30),
         }
     }
 }
@@ -515,21 +520,30 @@ impl RedfishBmc {
         let mut attempt = 1;
         loop {
             let result = self.exchange(method, path, body, headers).await;
-            let retryable = match (&result, retry) {
-                (Err(BmcError::Unreachable { cause, .. }), Retry::OnlyConnectRefused) => {
-                    *cause == Unreachable::ConnectionRefused
+            // A busy answer with Retry-After (503, 429) says the request was not acted on: any
+            // verb may go again, the session login and actions included, after the time asked.
+            let busy = match &result {
+                Ok(reply) if matches!(reply.status.as_u16(), 503 | 429) => {
+                    reply.header("retry-after").map(|v| retry_after(&v))
                 }
-                (
-                    Err(BmcError::Unreachable {
-                        cause: Unreachable::TimedOut(_),
-                        ..
-                    }),
-                    Retry::Idempotent,
-                ) => false,
-                (Err(BmcError::Unreachable { .. }), Retry::Idempotent) => true,
-                (Ok(reply), Retry::Idempotent) => reply.status.is_server_error(),
-                _ => false,
+                _ => None,
             };
+            let retryable = busy.is_some()
+                || match (&result, retry) {
+                    (Err(BmcError::Unreachable { cause, .. }), Retry::OnlyConnectRefused) => {
+                        *cause == Unreachable::ConnectionRefused
+                    }
+                    (
+                        Err(BmcError::Unreachable {
+                            cause: Unreachable::TimedOut(_),
+                            ..
+                        }),
+                        Retry::Idempotent,
+                    ) => false,
+                    (Err(BmcError::Unreachable { .. }), Retry::Idempotent) => true,
+                    (Ok(reply), Retry::Idempotent) => reply.status.is_server_error(),
+                    _ => false,
+                };
             if !retryable || attempt >= attempts {
                 return result;
             }
@@ -537,8 +551,12 @@ impl RedfishBmc {
                 Ok(r) => format!("HTTP {}", r.status.as_u16()),
                 Err(e) => e.to_string(),
             };
-            tracing::info!(bmc = %self.address, operation = %Self::op(method, path), attempt, %why, retry_in_ms = delay.as_millis() as u64, "retrying BMC request");
-            tokio::time::sleep(delay).await;
+            let wait = match busy {
+                Some(Some(asked)) => asked.min(self.options.max_retry_after),
+                _ => delay,
+            };
+            tracing::info!(bmc = %self.address, operation = %Self::op(method, path), attempt, %why, retry_in_ms = wait.as_millis() as u64, "retrying BMC request");
+            tokio::time::sleep(wait).await;
             delay = (delay * 2).min(self.options.max_backoff);
             attempt += 1;
         }
@@ -1084,6 +1102,86 @@ impl RedfishBmc {
         Ok(inv)
     }
 
+    /// Reads what the BMC offers; lookups beyond the service root and the system that fail are
+    /// left unknown rather than failing the probe.
+    async fn do_probe(&self) -> Result<BmcCapabilities, BmcError> {
+        let (root, _) = self.get_json(SERVICE_ROOT).await?;
+        let (_, system, reply) = self.get_system().await?;
+        let text = |v: &Value, k: &str| {
+            v.get(k)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(shown)
+        };
+        let reset = system
+            .pointer("/Actions/#ComputerSystem.Reset")
+            .cloned()
+            .unwrap_or(Value::Null);
+        let (reset_types, reset_types_source) =
+            if reset.get("ResetType@Redfish.AllowableValues").is_some() {
+                (
+                    self.allowable_reset_types(&reset)
+                        .await?
+                        .unwrap_or_default(),
+                    "AllowableValues",
+                )
+            } else if reset.get("@Redfish.ActionInfo").is_some() {
+                (
+                    self.allowable_reset_types(&reset)
+                        .await
+                        .ok()
+                        .flatten()
+                        .unwrap_or_default(),
+                    "ActionInfo",
+                )
+            } else {
+                (Vec::new(), "none advertised")
+            };
+        let allowed = |key: &str| {
+            system
+                .pointer(&format!("/Boot/{key}@Redfish.AllowableValues"))
+                .and_then(Value::as_array)
+                .map(|v| strings(v))
+                .unwrap_or_default()
+        };
+        let boot_targets = allowed("BootSourceOverrideTarget");
+        let mut boot_modes = allowed("BootSourceOverrideMode");
+        if boot_modes.is_empty()
+            && let Some(mode) = system
+                .pointer("/Boot/BootSourceOverrideMode")
+                .and_then(Value::as_str)
+        {
+            boot_modes.push(mode.to_string());
+        }
+        let manager = match system
+            .pointer("/Links/ManagedBy/0/@odata.id")
+            .and_then(Value::as_str)
+        {
+            Some(path) => self.get_json(path).await.ok().map(|(m, _)| m),
+            None => None,
+        };
+        let virtual_media = system.pointer("/VirtualMedia/@odata.id").is_some()
+            || manager
+                .as_ref()
+                .is_some_and(|m| m.pointer("/VirtualMedia/@odata.id").is_some());
+        Ok(BmcCapabilities {
+            protocol: "Redfish".into(),
+            protocol_version: text(&root, "RedfishVersion"),
+            vendor: text(&root, "Vendor")
+                .or_else(|| manager.as_ref().and_then(|m| text(m, "Manufacturer"))),
+            firmware_version: manager.as_ref().and_then(|m| text(m, "FirmwareVersion")),
+            sessions: Some(root.pointer("/SessionService/@odata.id").is_some()),
+            uefi_http_boot: Some(boot_targets.iter().any(|t| t == "UefiHttp")),
+            reset_types,
+            reset_types_source: Some(reset_types_source.into()),
+            boot_targets,
+            boot_modes,
+            etag: Some(reply.header("etag").is_some_and(|e| !e.is_empty())),
+            virtual_media: Some(virtual_media),
+            cipher_suite: None,
+        })
+    }
+
     /// The system's virtual CD/DVD device (system-level VirtualMedia, else its manager's).
     async fn cd_device(&self) -> Result<Value, BmcError> {
         let (path, system, _) = self.get_system().await?;
@@ -1300,6 +1398,10 @@ impl Bmc for RedfishBmc {
     fn inventory(&self) -> BmcFuture<'_, HardwareInventory> {
         Box::pin(self.do_inventory())
     }
+    fn probe(&self) -> BmcFuture<'_, BmcCapabilities> {
+        Box::pin(self.do_probe())
+    }
+
     fn logout(&self) -> BmcFuture<'_, ()> {
         Box::pin(RedfishBmc::logout(self))
     }
@@ -1334,6 +1436,12 @@ fn members(collection: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A `Retry-After` value in seconds (RFC 9110 §10.2.3); None for an HTTP-date or garbage, which
+/// get the ordinary backoff.
+fn retry_after(value: &str) -> Option<Duration> {
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
 /// The human-readable messages of a Redfish error body (`error.@Message.ExtendedInfo[].Message`,
 /// else `error.message`), or a short excerpt of a non-JSON body.
 pub fn redfish_messages(body: &[u8]) -> Vec<String> {
@@ -1359,9 +1467,9 @@ pub fn redfish_messages(body: &[u8]) -> Vec<String> {
         .map(|infos| {
             infos
                 .iter()
-                .filter_map(|i| i.get("Message").and_then(Value::as_str))
+                .filter_map(extended_info)
                 .take(MAX_MESSAGES)
-                .map(bounded)
+                .map(|m| bounded(&m))
                 .collect()
         })
         .unwrap_or_default();
@@ -1371,6 +1479,33 @@ pub fn redfish_messages(body: &[u8]) -> Vec<String> {
         out.push(bounded(m));
     }
     out
+}
+
+/// One `@Message.ExtendedInfo` entry as an operator needs it: `MessageId: Message`, and the
+/// `MessageArgs` when there is no text to carry them.
+fn extended_info(info: &Value) -> Option<String> {
+    let id = info.get("MessageId").and_then(Value::as_str);
+    let message = info.get("Message").and_then(Value::as_str);
+    let args: Vec<String> = info
+        .get("MessageArgs")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .take(8)
+                .map(|v| match v {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    match (id, message) {
+        (Some(id), Some(m)) => Some(format!("{id}: {m}")),
+        (None, Some(m)) => Some(m.to_string()),
+        (Some(id), None) if args.is_empty() => Some(id.to_string()),
+        (Some(id), None) => Some(format!("{id} ({})", args.join(", "))),
+        (None, None) => None,
+    }
 }
 
 /// Text a BMC chose (paths, member lists) as it appears in errors, conditions and logs: bounded.
@@ -1607,5 +1742,22 @@ mod tests {
             "not Redfish JSON: described, not echoed"
         );
         assert!(redfish_messages(b"").is_empty());
+        // What iDRAC and iLO send: the MessageId names the rule, the args what broke it.
+        let body = br#"{"error":{"@Message.ExtendedInfo":[{"MessageId":"Base.1.8.PropertyValueNotInList","Message":"The value Foo for the property BootSourceOverrideTarget is not in the list of acceptable values.","MessageArgs":["Foo","BootSourceOverrideTarget"]},{"MessageId":"IDRAC.2.8.SYS403","MessageArgs":["Pxe"]}]}}"#;
+        assert_eq!(
+            redfish_messages(body),
+            vec![
+                "Base.1.8.PropertyValueNotInList: The value Foo for the property BootSourceOverrideTarget is not in the list of acceptable values.",
+                "IDRAC.2.8.SYS403 (Pxe)"
+            ]
+        );
+    }
+
+    #[test]
+    fn retry_after_in_seconds() {
+        assert_eq!(retry_after("3"), Some(Duration::from_secs(3)));
+        assert_eq!(retry_after(" 120 "), Some(Duration::from_secs(120)));
+        assert_eq!(retry_after("Wed, 21 Oct 2026 07:28:00 GMT"), None);
+        assert_eq!(retry_after("-1"), None);
     }
 }

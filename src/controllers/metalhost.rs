@@ -195,17 +195,24 @@ fn settle(
     }
     status
 }
+/// What a registration read: power, and the inventory and capabilities when they were missing.
+pub type Registered = (
+    PowerState,
+    Option<HardwareInventory>,
+    Option<crate::api::metalhost::BmcCapabilities>,
+);
+
 /// Status after a registration attempt.
 pub fn registration_status(
     host: &MetalHost,
-    result: Result<(PowerState, Option<HardwareInventory>), Fault>,
+    result: Result<Registered, Fault>,
     now: &Time,
 ) -> MetalHostStatus {
     let mut status = host.status.clone().unwrap_or_default();
     let generation = host.metadata.generation;
     status.observed_generation = generation;
     match result {
-        Ok((power, inventory)) => {
+        Ok((power, inventory, capabilities)) => {
             // The state proper is settled from the claim (see `desired_state`).
             status.state = Some(HostState::Available);
             status.error_type = None;
@@ -214,6 +221,9 @@ pub fn registration_status(
             status.last_power_check = Some(now.clone());
             if inventory.is_some() {
                 status.hardware = inventory;
+            }
+            if capabilities.is_some() {
+                status.bmc = capabilities;
             }
             conditions::set(
                 &mut status.conditions,
@@ -370,7 +380,24 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                         } else {
                             None
                         };
-                        Ok((power, inventory))
+                        // Probed once, like the inventory: it reads, never changes anything.
+                        let capabilities = if host
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.bmc.as_ref())
+                            .is_none()
+                        {
+                            match bmc.probe().await {
+                                Ok(caps) => Some(caps),
+                                Err(e) => {
+                                    tracing::warn!(host = %name, error = %e, "BMC not probed; will retry at the next registration");
+                                    None
+                                }
+                            }
+                        } else {
+                            None
+                        };
+                        Ok((power, inventory, capabilities))
                     }
                 },
             };
@@ -735,7 +762,7 @@ mod tests {
         let now = Time(at(5));
         let ok = registration_status(
             &host(None, true),
-            Ok((PowerState::Off, Some(HardwareInventory::default()))),
+            Ok((PowerState::Off, Some(HardwareInventory::default()), None)),
             &now,
         );
         assert_eq!(ok.state, Some(HostState::Available));
@@ -764,7 +791,7 @@ mod tests {
             true,
         );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
-        let status = registration_status(&claimed, Ok((PowerState::On, None)), &now);
+        let status = registration_status(&claimed, Ok((PowerState::On, None, None)), &now);
         let kept = settle(&claimed, status, Consumer::Provisioned, &now);
         assert_eq!(kept.state, Some(HostState::Provisioned));
     }

@@ -191,7 +191,8 @@ impl QemuHost {
         };
         std::fs::create_dir_all(&self.spec.dir).map_err(spawn_err)?;
         let _ = std::fs::remove_file(self.qmp_socket());
-        let once = inner.boot.enabled != "Disabled" && inner.boot.target == "Pxe";
+        let once = inner.boot.enabled != "Disabled"
+            && (inner.boot.target == "Pxe" || inner.boot.target == "UefiHttp");
         let mut cmd = match &self.spec.network {
             HostNetwork::User { .. } => Command::new("qemu-system-x86_64"),
             HostNetwork::Tap { netns, .. } => {

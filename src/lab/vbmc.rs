@@ -247,7 +247,9 @@ const RESET_TYPES: [&str; 5] = [
     "ForceRestart",
     "PowerCycle",
 ];
-const BOOT_TARGETS: [&str; 4] = ["None", "Pxe", "Hdd", "Cd"];
+/// `UefiHttp` boots the NIC like `Pxe`: which protocol runs is the host's firmware's choice
+/// (the lab's HTTP Boot host has PXE switched off).
+const BOOT_TARGETS: [&str; 5] = ["None", "Pxe", "UefiHttp", "Hdd", "Cd"];
 
 async fn system(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
     let Some(h) = host(&bmc, &id) else {
@@ -277,6 +279,7 @@ async fn system(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> R
             "BootSourceOverrideEnabled": boot.enabled,
             "BootSourceOverrideMode": boot.mode,
             "BootSourceOverrideTarget@Redfish.AllowableValues": BOOT_TARGETS,
+            "BootSourceOverrideMode@Redfish.AllowableValues": ["Legacy", "UEFI"],
         },
         "EthernetInterfaces": {"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces")},
         "Actions": {"#ComputerSystem.Reset": {

@@ -33,6 +33,8 @@ pub struct ConformanceReport {
     pub initial_power: PowerState,
     pub inventory: metalboot::bmc::HardwareInventory,
     pub boot_enabled_read_back: Option<String>,
+    /// `metalboot bmc probe`'s view of the BMC.
+    pub probe: metalboot::bmc::BmcCapabilities,
 }
 
 /// Run the suite against `address`. Leaves the system powered off and the session closed.
@@ -50,6 +52,21 @@ pub async fn redfish_conformance(
     let initial_power = bmc.power_state().await.map_err(step("power state"))?;
     if initial_power == PowerState::Unknown {
         return Err("power state: the BMC reported no known PowerState".into());
+    }
+
+    // The capability probe: reads only, and what it finds must be what the BMC offers.
+    let probe = bmc.probe().await.map_err(step("probe"))?;
+    if probe.protocol != "Redfish" || probe.protocol_version.is_none() {
+        return Err(format!("probe: not a Redfish service root: {probe:?}"));
+    }
+    if !probe.boot_targets.iter().any(|t| t == "Pxe") {
+        return Err(format!("probe: no Pxe boot target: {probe:?}"));
+    }
+    if probe.reset_types.is_empty() || !probe.reset_types.iter().any(|t| t == "On") {
+        return Err(format!("probe: no reset types with On: {probe:?}"));
+    }
+    if bmc.power_state().await.map_err(step("power after probe"))? != initial_power {
+        return Err("probe: the power state changed".into());
     }
 
     // Inventory.
@@ -129,5 +146,6 @@ pub async fn redfish_conformance(
         initial_power,
         inventory,
         boot_enabled_read_back: read.enabled,
+        probe,
     })
 }
