@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps control-plane capi sushy test soak lab lab-down crds deploy lint fmt bench
+.PHONY: all deps control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench
 
 all: test
 
@@ -18,8 +18,12 @@ control-plane:
 sushy: deps
 	@hack/sushy-tools.sh
 
+## replay: real-vendor Redfish replies (Dell iDRAC, HPE iLO, …) for the replay suite (target/tools/replay)
+replay:
+	@hack/redfish-replay.sh
+
 ## test: the whole suite against a real control plane and a real Redfish emulator
-test: deps control-plane capi sushy
+test: deps control-plane capi sushy replay
 	@CARGO=$(CARGO) hack/test.sh
 
 ## soak: SIGKILL the manager at random points while five hosts provision (CYCLES=50 for a long run)

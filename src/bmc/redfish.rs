@@ -928,7 +928,30 @@ impl RedfishBmc {
             .map(str::to_string)
             .unwrap_or_else(|| format!("{path}/Actions/ComputerSystem.Reset"));
         let allowable = self.allowable_reset_types(reset).await?;
-        let Some(reset_type) = choose_reset_type(action, allowable.as_deref()) else {
+        // From the observed state: cycling a host that is off powers it on (many BMCs refuse a
+        // cycle of an off system); a graceful off of a host that is off is already done.
+        let power = system.get("PowerState").and_then(Value::as_str);
+        let action = match (action, power) {
+            (PowerAction::Cycle, Some("Off")) => PowerAction::On,
+            (action, _) => action,
+        };
+        if action == PowerAction::GracefulOff && power == Some("Off") {
+            return Ok(());
+        }
+        let offered = |t: &str| {
+            allowable
+                .as_deref()
+                .is_some_and(|a| a.iter().any(|v| v == t))
+        };
+        let chosen = choose_reset_type(action, allowable.as_deref()).or(
+            // iLO offers no GracefulShutdown: its power button is the graceful off, and pressing
+            // it is safe only while the host is on (on an off host it powers it on).
+            (action == PowerAction::GracefulOff
+                && power == Some("On")
+                && offered("PushPowerButton"))
+            .then_some("PushPowerButton"),
+        );
+        let Some(reset_type) = chosen else {
             return Err(BmcError::Unsupported {
                 address: self.address.clone(),
                 what: format!(
