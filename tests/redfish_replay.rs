@@ -46,7 +46,7 @@ fn bmc(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_bmc_subcommand_against_four_vendor_personalities() {
+async fn every_bmc_subcommand_against_five_vendor_personalities() {
     let dir = tempfile::tempdir().expect("tempdir");
     let password = dir.path().join("password");
     std::fs::write(&password, replay::PASSWORD).expect("password file");
@@ -84,11 +84,13 @@ async fn every_bmc_subcommand_against_four_vendor_personalities() {
         run(&["power-on"]);
         assert_eq!(server.power(), "On", "{name}");
         run(&["boot-once", "pxe", "--mode", "uefi"]);
+        run(&["reset"]);
+        assert_eq!(server.power(), "On", "{name}: a reset leaves the host on");
+        // After the reset: what a settings object held has been applied too.
         let boot = server.boot();
         assert_eq!(boot["BootSourceOverrideTarget"], "Pxe", "{name}: {boot}");
         assert_eq!(boot["BootSourceOverrideEnabled"], "Once", "{name}: {boot}");
-        run(&["reset"]);
-        assert_eq!(server.power(), "On", "{name}: a reset leaves the host on");
+        assert_eq!(boot["BootSourceOverrideMode"], "UEFI", "{name}: {boot}");
         run(&["power-off"]);
         assert_eq!(
             server.power(),
@@ -110,6 +112,13 @@ async fn every_bmc_subcommand_against_four_vendor_personalities() {
                 log.iter().any(|(m, _, s)| m == "PATCH" && *s == 204)
                     && !log.iter().any(|(_, _, s)| *s == 412),
                 "{name}: every PATCH carried the ETag: {log:?}"
+            );
+        }
+        if personality.behaviour.settings.is_some() {
+            assert!(
+                log.iter()
+                    .any(|(m, p, s)| m == "PATCH" && p.ends_with("/Settings") && *s == 202),
+                "{name}: the mode went to the settings object: {log:?}"
             );
         }
         if personality.behaviour.busy_first {

@@ -985,10 +985,24 @@ impl RedfishBmc {
         if let Some(m) = mode {
             boot["BootSourceOverrideMode"] = json!(boot_mode_name(m));
         }
-        let body = json!({ "Boot": boot });
         let mut fresh_etag_tried = false;
         loop {
             let (path, system, reply) = self.get_system().await?;
+            // Properties the system's settings object (`@Redfish.Settings`) carries go there and
+            // apply at the next reset, as the BMC wants (iDRAC: the override mode); the rest go
+            // to the system itself.
+            let mut boot = boot.clone();
+            if let Some(settings_path) = system
+                .pointer("/@Redfish.Settings/SettingsObject/@odata.id")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+            {
+                self.patch_settings(&settings_path, &mut boot).await?;
+                if boot.as_object().is_some_and(|b| b.is_empty()) {
+                    return Ok(());
+                }
+            }
+            let body = json!({ "Boot": boot });
             if let Some(allowed) = system
                 .pointer("/Boot/BootSourceOverrideTarget@Redfish.AllowableValues")
                 .and_then(Value::as_array)
@@ -1032,6 +1046,47 @@ impl RedfishBmc {
                 }
             }
         }
+    }
+
+    /// Moves the boot properties the settings object at `path` carries out of `boot` and
+    /// PATCHes them there (with its ETag). A settings object that cannot be read is ignored.
+    async fn patch_settings(&self, path: &str, boot: &mut Value) -> Result<(), BmcError> {
+        let Ok((settings, reply)) = self.get_json(path).await else {
+            return Ok(());
+        };
+        let Some(carried) = settings.get("Boot").and_then(Value::as_object) else {
+            return Ok(());
+        };
+        let Some(wanted) = boot.as_object_mut() else {
+            return Ok(());
+        };
+        let moved: serde_json::Map<String, Value> = carried
+            .keys()
+            .filter_map(|k| wanted.remove(k).map(|v| (k.clone(), v)))
+            .collect();
+        if moved.is_empty() {
+            return Ok(());
+        }
+        let mut extra = HeaderMap::new();
+        if let Some(tag) = reply.header("ETag").or_else(|| {
+            settings
+                .get("@odata.etag")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        }) && let Ok(v) = HeaderValue::from_str(&tag)
+        {
+            extra.insert(reqwest::header::IF_MATCH, v);
+        }
+        tracing::info!(bmc = %self.address, settings = %shown(path), properties = ?moved.keys().collect::<Vec<_>>(), "boot properties to the settings object (applied at the next reset)");
+        self.send(
+            Method::PATCH,
+            path,
+            &json!({ "Boot": moved }),
+            &extra,
+            Retry::Idempotent,
+        )
+        .await
+        .map(|_| ())
     }
 
     async fn do_boot_override(&self) -> Result<BootOverride, BmcError> {

@@ -28,6 +28,9 @@ pub struct Behaviour {
     pub action_info: bool,
     /// The first request of each method is answered 503 with `Retry-After: 1`.
     pub busy_first: bool,
+    /// A settings object (this sample file) for the system: the boot properties it carries are
+    /// refused on the system and applied from the settings object at the next reset.
+    pub settings: Option<&'static str>,
 }
 
 pub struct Personality {
@@ -78,6 +81,18 @@ pub fn personalities() -> Vec<Personality> {
             },
         },
         Personality {
+            name: "Dell iDRAC with a settings object for the boot mode (sushy samples)",
+            dir: "idrac",
+            root: "root.json",
+            system: "system.json",
+            system_key: None,
+            manager: Some("manager.json"),
+            behaviour: Behaviour {
+                settings: Some("settings-body-bootsourceoverridemode-only.json"),
+                ..Default::default()
+            },
+        },
+        Personality {
             name: "generic (sushy samples), busy: 503 + Retry-After on first requests",
             dir: "sushy",
             root: "root.json",
@@ -112,6 +127,9 @@ struct Inner {
     version: u64,
     tokens: Vec<String>,
     busy_seen: Vec<String>,
+    /// The settings object's path, and what was PATCHed to it (applied at the next reset).
+    settings: Option<String>,
+    pending: serde_json::Map<String, Value>,
     /// Every request: method and path.
     pub log: Vec<(String, String, u16)>,
 }
@@ -187,6 +205,20 @@ pub async fn start(p: &Personality) -> Replay {
         .expect("a reset action");
     let reset_target = norm(reset["target"].as_str().expect("reset target"));
     let mut docs = BTreeMap::new();
+    let mut settings_path = None;
+    if let Some(file) = p.behaviour.settings {
+        // The settings sample is sushy's (an iDRAC reply in its test data).
+        let path = samples_dir().join("sushy").join(file);
+        let settings: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| {
+                panic!("{}: {e} (run hack/redfish-replay.sh)", path.display())
+            }))
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let path = norm(settings["@odata.id"].as_str().expect("settings @odata.id"));
+        system["@Redfish.Settings"] = json!({"SettingsObject": {"@odata.id": path}});
+        docs.insert(path.clone(), settings);
+        settings_path = Some(path);
+    }
     if p.behaviour.action_info {
         let types = reset["ResetType@Redfish.AllowableValues"].clone();
         let info = format!("{system_path}/ResetActionInfo");
@@ -243,6 +275,8 @@ pub async fn start(p: &Personality) -> Replay {
         version: 1,
         tokens: Vec::new(),
         busy_seen: Vec::new(),
+        settings: settings_path,
+        pending: serde_json::Map::new(),
         log: Vec::new(),
     }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -365,7 +399,35 @@ fn respond(
                 "no such resource",
             ),
         },
+        (Method::PATCH, p) if Some(p) == i.settings.as_deref() => {
+            let carried = i.docs[p]["Boot"].clone();
+            match body.get("Boot").and_then(Value::as_object) {
+                Some(boot) if boot.keys().all(|k| carried.get(k).is_some()) => {
+                    for (k, v) in boot {
+                        i.pending.insert(k.clone(), v.clone());
+                    }
+                    StatusCode::ACCEPTED.into_response()
+                }
+                _ => error(
+                    StatusCode::BAD_REQUEST,
+                    "Base.1.8.PropertyUnknown",
+                    "not a setting",
+                ),
+            }
+        }
         (Method::PATCH, p) if p == system => {
+            if let Some(settings) = i.settings.clone()
+                && let Some(boot) = body.get("Boot").and_then(Value::as_object)
+                && boot
+                    .keys()
+                    .any(|k| i.docs[&settings]["Boot"].get(k).is_some())
+            {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "Base.1.8.PropertyNotWritable",
+                    "set this through the settings object",
+                );
+            }
             let matches =
                 headers.get("if-match").and_then(|v| v.to_str().ok()) == Some(etag.as_str());
             if i.behaviour.etag_required && !matches {
@@ -428,8 +490,12 @@ fn respond(
                     );
                 }
             };
+            let pending = std::mem::take(&mut i.pending);
             if let Some(doc) = i.docs.get_mut(&system) {
                 doc["PowerState"] = json!(state);
+                for (k, v) in pending {
+                    doc["Boot"][k] = v;
+                }
             }
             i.version += 1;
             StatusCode::NO_CONTENT.into_response()
