@@ -1,8 +1,9 @@
 //! The replay suite: `metalboot bmc` — every subcommand — against four vendor personalities built
 //! from real vendors' Redfish replies (Dell iDRAC, HPE iLO 5 and sushy's generic service, fetched
 //! by `hack/redfish-replay.sh`) with scripted behaviours: ETags a PATCH must match, reset types only
-//! in an ActionInfo resource, busy answers (503 + Retry-After) on the first request of each verb,
-//! the session login included. Each subcommand's effect is checked at the server.
+//! in an ActionInfo resource, a settings object for the boot mode, task monitors (202 + Location)
+//! for resets, busy answers (503 + Retry-After) on the first request of each verb, the session
+//! login included. Each subcommand's effect is checked at the server.
 
 #[path = "support/replay.rs"]
 mod replay;
@@ -119,6 +120,17 @@ async fn every_bmc_subcommand_against_five_vendor_personalities() {
                 log.iter()
                     .any(|(m, p, s)| m == "PATCH" && p.ends_with("/Settings") && *s == 202),
                 "{name}: the mode went to the settings object: {log:?}"
+            );
+        }
+        if personality.behaviour.task_monitor {
+            let polls: Vec<u16> = log
+                .iter()
+                .filter(|(m, p, _)| m == "GET" && p.contains("/TaskMonitors/"))
+                .map(|(_, _, s)| *s)
+                .collect();
+            assert!(
+                polls.contains(&202) && polls.contains(&200),
+                "{name}: every reset waited for its task monitor: {polls:?}"
             );
         }
         if personality.behaviour.busy_first {

@@ -818,6 +818,15 @@ impl RedfishBmc {
         let operation = format!("{method} {}", shown(path));
         let reply = self.call(method, path, Some(body), extra, retry).await?;
         match reply.status.as_u16() {
+            // Accepted with a task monitor: the operation is done when the monitor says so.
+            202 => match reply.header("Location") {
+                Some(monitor) => {
+                    let monitor = self.path_of(&monitor);
+                    self.await_task(&operation, &monitor).await?;
+                    Ok(reply)
+                }
+                None => Ok(reply),
+            },
             200..=299 => Ok(reply),
             404 => Err(BmcError::NotFound {
                 address: self.address.clone(),
@@ -837,6 +846,70 @@ impl RedfishBmc {
             }),
             _ => Err(self.rejected(&operation, &reply)),
         }
+    }
+
+    /// Polls a task monitor (Redfish spec §13.2) until the task ends: 202 while it runs, then
+    /// 200/204, or the Task resource with its `TaskState`. Bounded: at most `TASK_POLLS` polls,
+    /// one second apart (or the `Retry-After` the BMC asks, capped like any busy answer).
+    async fn await_task(&self, operation: &str, monitor: &str) -> Result<(), BmcError> {
+        const TASK_POLLS: u32 = 120;
+        for _ in 0..TASK_POLLS {
+            let reply = self
+                .call(
+                    Method::GET,
+                    monitor,
+                    None,
+                    &HeaderMap::new(),
+                    Retry::Idempotent,
+                )
+                .await?;
+            let state = serde_json::from_slice::<Value>(&reply.body)
+                .ok()
+                .and_then(|v| {
+                    v.get("TaskState")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                });
+            match (reply.status.as_u16(), state.as_deref()) {
+                (202, _)
+                | (
+                    200,
+                    Some(
+                        "New" | "Starting" | "Running" | "Pending" | "Stopping" | "Suspended"
+                        | "Service",
+                    ),
+                ) => {
+                    let wait = reply
+                        .header("retry-after")
+                        .and_then(|v| retry_after(&v))
+                        .unwrap_or(Duration::from_secs(1))
+                        .min(self.options.max_retry_after);
+                    tokio::time::sleep(wait).await;
+                }
+                (200, Some("Exception" | "Killed" | "Cancelled" | "Interrupted")) => {
+                    let mut messages = redfish_messages(&reply.body);
+                    if let Ok(v) = serde_json::from_slice::<Value>(&reply.body)
+                        && let Some(list) = v.get("Messages").and_then(Value::as_array)
+                    {
+                        messages.extend(list.iter().filter_map(extended_info).take(MAX_MESSAGES));
+                    }
+                    return Err(BmcError::Rejected {
+                        address: self.address.clone(),
+                        operation: format!("{operation} (task {})", state.unwrap_or_default()),
+                        status: 200,
+                        messages,
+                    });
+                }
+                // Done; many BMCs delete the monitor once the task is over.
+                (200..=299, _) | (404, _) => return Ok(()),
+                _ => return Err(self.rejected(&format!("{operation} (task monitor)"), &reply)),
+            }
+        }
+        Err(BmcError::Unreachable {
+            address: self.address.clone(),
+            operation: format!("{operation} (task monitor)"),
+            cause: Unreachable::TimedOut(Duration::from_secs(u64::from(TASK_POLLS))),
+        })
     }
 
     async fn system_members(&self) -> Result<Vec<String>, BmcError> {

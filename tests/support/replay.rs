@@ -31,6 +31,8 @@ pub struct Behaviour {
     /// A settings object (this sample file) for the system: the boot properties it carries are
     /// refused on the system and applied from the settings object at the next reset.
     pub settings: Option<&'static str>,
+    /// Resets answer 202 with a task monitor that runs for one poll before the power changes.
+    pub task_monitor: bool,
 }
 
 pub struct Personality {
@@ -89,6 +91,7 @@ pub fn personalities() -> Vec<Personality> {
             manager: Some("manager.json"),
             behaviour: Behaviour {
                 settings: Some("settings-body-bootsourceoverridemode-only.json"),
+                task_monitor: true,
                 ..Default::default()
             },
         },
@@ -130,6 +133,8 @@ struct Inner {
     /// The settings object's path, and what was PATCHed to it (applied at the next reset).
     settings: Option<String>,
     pending: serde_json::Map<String, Value>,
+    /// Task monitors: polls left before each completes, and the power state it then sets.
+    tasks: Vec<(u32, String)>,
     /// Every request: method and path.
     pub log: Vec<(String, String, u16)>,
 }
@@ -277,6 +282,7 @@ pub async fn start(p: &Personality) -> Replay {
         busy_seen: Vec::new(),
         settings: settings_path,
         pending: serde_json::Map::new(),
+        tasks: Vec::new(),
         log: Vec::new(),
     }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -384,6 +390,32 @@ fn respond(
     let system = i.system.clone();
     let etag = format!("W/\"{}\"", i.version);
     match (method.clone(), path) {
+        (Method::GET, p) if p.starts_with("/redfish/v1/TaskService/TaskMonitors/") => {
+            let n: usize = p
+                .rsplit('/')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            let Some((left, state)) = i.tasks.get(n).cloned() else {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "Base.1.8.ResourceMissingAtURI",
+                    "no such task",
+                );
+            };
+            if left > 0 {
+                i.tasks[n].0 -= 1;
+                return (
+                    StatusCode::ACCEPTED,
+                    axum::Json(json!({"TaskState": "Running"})),
+                )
+                    .into_response();
+            }
+            if let Some(doc) = i.docs.get_mut(&system) {
+                doc["PowerState"] = json!(state);
+            }
+            axum::Json(json!({"TaskState": "Completed", "TaskStatus": "OK"})).into_response()
+        }
         (Method::GET, p) => match i.docs.get(p) {
             Some(doc) => {
                 let mut r = axum::Json(doc.clone()).into_response();
@@ -491,13 +523,24 @@ fn respond(
                 }
             };
             let pending = std::mem::take(&mut i.pending);
+            let task = i.behaviour.task_monitor;
             if let Some(doc) = i.docs.get_mut(&system) {
-                doc["PowerState"] = json!(state);
+                if !task {
+                    doc["PowerState"] = json!(state);
+                }
                 for (k, v) in pending {
                     doc["Boot"][k] = v;
                 }
             }
             i.version += 1;
+            if task {
+                i.tasks.push((1, state.to_string()));
+                let monitor = format!("/redfish/v1/TaskService/TaskMonitors/{}", i.tasks.len() - 1);
+                let mut r = StatusCode::ACCEPTED.into_response();
+                r.headers_mut()
+                    .insert("location", monitor.parse().expect("header"));
+                return r;
+            }
             StatusCode::NO_CONTENT.into_response()
         }
         _ => error(
