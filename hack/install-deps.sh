@@ -10,6 +10,7 @@ packages=(
   ovmf                        # UEFI lab hosts (EDK2 PXE and HTTP Boot)
   iproute2 dnsmasq-base       # the bridged lab network; dnsmasq plays the site's DHCP server
   ipmitool openipmi           # the IPMI driver's tool; ipmi_sim, a real IPMI BMC for tests
+  cloud-init                  # the real cloud-init validates and runs the bootstrap cloud-config
   busybox-static cpio kmod    # the lab OS initramfs
 )
 missing=()

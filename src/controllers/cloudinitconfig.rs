@@ -101,7 +101,11 @@ pub fn render(
             append: f.append.unwrap_or(false),
         });
     }
-    let mut runcmd = spec.commands.clone();
+    // cloud-init runs runcmd as one shell script, one line per entry, without `set -e`: a failed
+    // command would not stop the sentinel. `set -e` first makes the sentinel mean "every
+    // command succeeded".
+    let mut runcmd = vec!["set -e".to_string()];
+    runcmd.extend(spec.commands.iter().cloned());
     runcmd.push(format!("mkdir -p /run/cluster-api && touch {SENTINEL}"));
     let doc = CloudConfig {
         users: spec
@@ -378,7 +382,7 @@ mod tests {
         };
         let out =
             render(&spec, &BTreeMap::from([(1, "from secret\n".to_string())])).expect("render");
-        let golden = "#cloud-config\nusers:\n- name: capi\n  sudo: ALL=(ALL) NOPASSWD:ALL\n  ssh_authorized_keys:\n  - ssh-ed25519 AAAA test\n  lock_passwd: true\nwrite_files:\n- path: /etc/a\n  content: |\n    line: 1\n    'quoted' \"x\"\n  permissions: '0600'\n- path: /etc/b\n  content: |\n    from secret\nruncmd:\n- 'echo ''hi: there'''\n- mkdir -p /run/cluster-api && touch /run/cluster-api/bootstrap-success.complete\n";
+        let golden = "#cloud-config\nusers:\n- name: capi\n  sudo: ALL=(ALL) NOPASSWD:ALL\n  ssh_authorized_keys:\n  - ssh-ed25519 AAAA test\n  lock_passwd: true\nwrite_files:\n- path: /etc/a\n  content: |\n    line: 1\n    'quoted' \"x\"\n  permissions: '0600'\n- path: /etc/b\n  content: |\n    from secret\nruncmd:\n- set -e\n- 'echo ''hi: there'''\n- mkdir -p /run/cluster-api && touch /run/cluster-api/bootstrap-success.complete\n";
         assert_eq!(out, golden);
         let parsed: serde_yaml::Value =
             serde_yaml::from_str(out.trim_start_matches("#cloud-config\n")).expect("valid YAML");
