@@ -82,6 +82,10 @@ pub struct MetalMachineSpec {
     /// Which hosts this machine may claim. Empty selects every Available host in the namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_selector: Option<LabelSelector>,
+    /// The least hardware a host must have to be claimed, judged from its inventory
+    /// (`MetalHost.status.hardware`): a host whose inventory does not say is not enough.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_hardware: Option<HardwareRequirements>,
     /// What the host network-boots into.
     pub boot: BootProfile,
     /// Seconds to wait, after powering the host on, for its bootstrap-success callback.
@@ -92,6 +96,38 @@ pub struct MetalMachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 10))]
     pub boot_retries: Option<i32>,
+}
+
+/// Minimum hardware for a host (`spec.hostHardware`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub struct HardwareRequirements {
+    /// Least number of CPUs (the BMC's processor count).
+    #[serde(default, rename = "minCPUs", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub min_cpus: Option<i32>,
+    /// Least memory in GiB (the BMC's total system memory).
+    #[serde(
+        default,
+        rename = "minMemoryGiB",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 1))]
+    pub min_memory_gib: Option<i32>,
+}
+
+impl HardwareRequirements {
+    /// Whether `hardware` is known to meet every requirement.
+    pub fn met_by(&self, hardware: Option<&crate::api::metalhost::HardwareInventory>) -> bool {
+        let fact = |key: &str| {
+            hardware
+                .and_then(|h| h.extra.get(key))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        let enough = |need: Option<i32>, key: &str| {
+            need.is_none_or(|need| fact(key).is_some_and(|have| have >= f64::from(need)))
+        };
+        enough(self.min_cpus, "cpuCount") && enough(self.min_memory_gib, "memoryGiB")
+    }
 }
 
 impl MetalMachineSpec {

@@ -79,6 +79,12 @@ pub fn candidate_hosts(
         .filter(|h| h.spec.online && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION))
         .filter(|h| selector.matches(h.labels()))
         .filter(|h| {
+            mm.spec
+                .host_hardware
+                .as_ref()
+                .is_none_or(|need| need.met_by(h.status.as_ref().and_then(|s| s.hardware.as_ref())))
+        })
+        .filter(|h| {
             failure_domain.is_none_or(|fd| {
                 h.labels().get(failure_domain_label).map(String::as_str) == Some(fd)
             })
@@ -86,12 +92,17 @@ pub fn candidate_hosts(
         .cloned()
         .collect();
     if candidates.is_empty() {
-        let selector = mm
+        let mut selector = mm
             .spec
             .host_selector
             .as_ref()
             .and_then(|s| serde_json::to_string(s).ok())
             .unwrap_or_else(|| "{}".into());
+        if let Some(need) = &mm.spec.host_hardware
+            && let Ok(need) = serde_json::to_string(need)
+        {
+            selector.push_str(&format!(" with hardware {need}"));
+        }
         return Err(match failure_domain {
             Some(domain) => ClaimError::NoHostInFailureDomain {
                 domain: domain.into(),
@@ -242,6 +253,67 @@ mod tests {
                 Err(ClaimError::InvalidSelector(_))
             ),
             "an unknown operator claims nothing and says why"
+        );
+    }
+
+    #[test]
+    fn hardware_requirements_use_the_inventory() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let with = |name: &str, facts: &[(&str, &str)]| {
+            let mut h = (*host(name, HostState::Available, true, &[])).clone();
+            if let Some(status) = h.status.as_mut() {
+                status.hardware = Some(crate::api::metalhost::HardwareInventory {
+                    extra: facts
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    ..Default::default()
+                });
+            }
+            Arc::new(h)
+        };
+        let hosts = vec![
+            with("big", &[("cpuCount", "64"), ("memoryGiB", "512")]),
+            with("small", &[("cpuCount", "4"), ("memoryGiB", "16")]),
+            with("mute", &[]),
+            host("uninspected", HostState::Available, true, &[]),
+        ];
+        let need = |cpus: Option<i32>, mem: Option<i32>| {
+            let mut m = mm(None);
+            m.spec.host_hardware = Some(crate::api::metalmachine::HardwareRequirements {
+                min_cpus: cpus,
+                min_memory_gib: mem,
+            });
+            m
+        };
+        let rows = [
+            (
+                "no requirement",
+                mm(None),
+                vec!["big", "mute", "small", "uninspected"],
+            ),
+            (
+                "cpus met by both that say",
+                need(Some(4), None),
+                vec!["big", "small"],
+            ),
+            ("cpus and memory", need(Some(8), Some(64)), vec!["big"]),
+            ("memory only", need(None, Some(16)), vec!["big", "small"]),
+        ];
+        for (name, machine, want) in rows {
+            assert_eq!(
+                names(candidate_hosts(&hosts, &machine, None, fd)),
+                want,
+                "{name}"
+            );
+        }
+        let err = candidate_hosts(&hosts, &need(Some(1024), None), None, fd)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("minCPUs"),
+            "the refusal names the requirement: {err}"
         );
     }
 
