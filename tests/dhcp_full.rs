@@ -108,6 +108,7 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
     let b = client("b", "52:54:00:f0:00:02");
     let reserved = client("r", RESERVED_MAC);
     let pxe = client("p", "52:54:00:f0:00:09");
+    let late = client("c", "52:54:00:f0:00:03");
 
     let service = start(&ns, &lease_file);
     let first = udhcpc(&a, dir.path()).await;
@@ -132,7 +133,6 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
         "a client gets its address back"
     );
 
-    // A PXE client metalboot provisions: address and boot program in one answer.
     let socket = NetNamespace::open(&pxe)
         .expect("pxe namespace")
         .udp_socket(
@@ -141,6 +141,45 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
             true,
         )
         .expect("socket");
+
+    // DHCP starvation: 300 DISCOVERs from made-up MACs. Offers held are bounded, so a real
+    // client arriving after them still gets an address.
+    let offered = || {
+        metalboot::metrics::render()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("metalboot_boot_dhcp_packets_total{outcome=\"offered\"} ")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    let before = offered();
+    for i in 0..300u32 {
+        let mut m = Message::default();
+        m.set_opcode(Opcode::BootRequest)
+            .set_htype(HType::Eth)
+            .set_xid(10_000 + i)
+            .set_chaddr(&[0x02, 0xf1, 0x00, 0x00, (i >> 8) as u8, i as u8]);
+        m.opts_mut()
+            .insert(DhcpOption::MessageType(MessageType::Discover));
+        let _ = socket
+            .send_to(&m.to_vec().expect("encode"), (Ipv4Addr::BROADCAST, 67))
+            .await;
+        if i % 25 == 24 {
+            // Let the service keep up, so the flood is decided rather than dropped.
+            let want = before + u64::from(i) / 2;
+            support::eventually("the flood to be answered", 20, || async {
+                (offered() >= want).then_some(())
+            })
+            .await;
+        }
+    }
+    let third = udhcpc(&late, dir.path()).await;
+    assert!(![first, second, RESERVED_IP].contains(&third), "{third}");
+
+    // A PXE client metalboot provisions: address and boot program in one answer.
     let mut m = Message::default();
     m.set_opcode(Opcode::BootRequest)
         .set_htype(HType::Eth)
@@ -171,7 +210,7 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
             break reply;
         }
     };
-    let taken: BTreeSet<Ipv4Addr> = [first, second, RESERVED_IP].into();
+    let taken: BTreeSet<Ipv4Addr> = [first, second, third, RESERVED_IP].into();
     assert!(!taken.contains(&offer.yiaddr()), "{:?}", offer.yiaddr());
     assert!(
         offer.yiaddr() >= Ipv4Addr::new(10, 77, 0, 100)

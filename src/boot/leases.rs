@@ -127,6 +127,12 @@ pub enum Refused {
 /// How long an offer holds its address.
 const OFFER_HOLD: u64 = 30;
 
+/// Offers held at once (and never more than half the pool). DISCOVERs are unauthenticated: a
+/// flood of made-up MACs would otherwise hold the whole pool for `OFFER_HOLD` seconds (DHCP
+/// starvation). Past this, offers are made without holding their address; the REQUEST then
+/// decides, and a clash gets a NAK and a retry.
+const MAX_HELD_OFFERS: usize = 64;
+
 pub struct Leases {
     pool: Pool,
     /// By address: at most one client per address.
@@ -197,10 +203,17 @@ impl Leases {
     /// the address it asks for if free, a never-leased one, the longest-expired one.
     pub fn offer(&mut self, mac: &str, requested: Option<Ipv4Addr>, now: u64) -> Option<Ipv4Addr> {
         let ip = self.choose(mac, requested, now)?;
-        if self
+        let held = self
             .by_ip
-            .get(&ip)
-            .is_none_or(|l| l.mac != mac || l.offered || l.expires <= now)
+            .values()
+            .filter(|l| l.offered && l.expires > now)
+            .count();
+        let pool_size = (u32::from(self.pool.last) - u32::from(self.pool.first) + 1) as usize;
+        if held < MAX_HELD_OFFERS.min(pool_size / 2)
+            && self
+                .by_ip
+                .get(&ip)
+                .is_none_or(|l| l.mac != mac || l.offered || l.expires <= now)
         {
             self.by_ip.insert(
                 ip,
@@ -384,11 +397,41 @@ mod tests {
             Some(ip(3)),
             "a client keeps its address"
         );
-        assert_eq!(l.offer("c4", None, NOW + 10), None, "the pool is exhausted");
+        // Offers held are capped at half the pool (three here: c2's, aa's, and c1's before its
+        // REQUEST), so c3's offer of .6 did not hold it: c4 is offered .6 too, and the first
+        // REQUEST wins.
+        assert_eq!(l.offer("c4", None, NOW + 10), Some(ip(6)));
+        assert!(l.request("c4", ip(6), NOW + 10).is_ok());
+        assert_eq!(
+            l.request("c3", ip(6), NOW + 10),
+            Err(Refused::NotYours(ip(6)))
+        );
+        assert_eq!(l.offer("c5", None, NOW + 10), None, "the pool is exhausted");
         // c2's offer lapsed: its address is free again for a newcomer.
-        assert_eq!(l.offer("c4", None, NOW + OFFER_HOLD + 1), Some(ip(4)));
+        assert_eq!(l.offer("c5", None, NOW + OFFER_HOLD + 1), Some(ip(4)));
         // An expired lease comes back to its owner while nobody took it.
         assert_eq!(l.offer("c1", None, NOW + 7200), Some(ip(3)));
+    }
+
+    #[test]
+    fn a_flood_of_made_up_macs_cannot_starve_the_pool() {
+        let mut l = Leases::load(pool("10.0.0.3-10.0.0.102"), None).unwrap();
+        l.set_reservations(BTreeMap::from([("host".to_string(), ip(200))]));
+        for i in 0..1000 {
+            l.offer(&format!("flood-{i}"), None, NOW);
+        }
+        let held = l.by_ip.values().filter(|x| x.offered).count();
+        assert_eq!(held, 50, "offers held are bounded by half the pool");
+        let got = l
+            .offer("real", None, NOW)
+            .expect("an address for a real client");
+        assert!(l.request("real", got, NOW).is_ok(), "{got} is committed");
+        assert_eq!(
+            l.offer("host", None, NOW),
+            Some(ip(200)),
+            "reservations are untouched"
+        );
+        assert!(l.request("host", ip(200), NOW).is_ok());
     }
 
     #[test]
