@@ -31,6 +31,11 @@ else
     missing+=(qemu-system-common/bookworm-backports qemu-system-data/bookworm-backports seabios/bookworm-backports)
   fi
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # cloud-init is here for its validator and runcmd semantics: keep it from configuring this
+  # machine at its next boot (cloud-init's own off switch).
+  if printf '%s\n' "${missing[@]}" | grep -qx cloud-init; then
+    $sudo mkdir -p /etc/cloud && $sudo touch /etc/cloud/cloud-init.disabled
+  fi
   echo "deps: installed"
 fi
 command -v go >/dev/null || { echo "deps: Go >= 1.26 is required to build the control plane and is not on PATH" >&2; exit 1; }
