@@ -109,6 +109,7 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
     let reserved = client("r", RESERVED_MAC);
     let pxe = client("p", "52:54:00:f0:00:09");
     let late = client("c", "52:54:00:f0:00:03");
+    let flooder = client("f", "02:f1:00:00:00:01");
 
     let service = start(&ns, &lease_file);
     let first = udhcpc(&a, dir.path()).await;
@@ -133,15 +134,6 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
         "a client gets its address back"
     );
 
-    let socket = NetNamespace::open(&pxe)
-        .expect("pxe namespace")
-        .udp_socket(
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 68)),
-            Some("eth0"),
-            true,
-        )
-        .expect("socket");
-
     // DHCP starvation: 300 DISCOVERs from made-up MACs. Offers held are bounded, so a real
     // client arriving after them still gets an address.
     let offered = || {
@@ -155,6 +147,16 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
             })
             .unwrap_or(0)
     };
+    // From a machine of its own: 300 broadcast OFFERs to made-up MACs must not fill the PXE
+    // client's socket buffer below.
+    let flood = NetNamespace::open(&flooder)
+        .expect("flooder namespace")
+        .udp_socket(
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 68)),
+            Some("eth0"),
+            true,
+        )
+        .expect("flood socket");
     let before = offered();
     for i in 0..300u32 {
         let mut m = Message::default();
@@ -164,7 +166,7 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
             .set_chaddr(&[0x02, 0xf1, 0x00, 0x00, (i >> 8) as u8, i as u8]);
         m.opts_mut()
             .insert(DhcpOption::MessageType(MessageType::Discover));
-        let _ = socket
+        let _ = flood
             .send_to(&m.to_vec().expect("encode"), (Ipv4Addr::BROADCAST, 67))
             .await;
         if i % 25 == 24 {
@@ -176,10 +178,20 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
             .await;
         }
     }
+    drop(flood);
     let third = udhcpc(&late, dir.path()).await;
     assert!(![first, second, RESERVED_IP].contains(&third), "{third}");
 
     // A PXE client metalboot provisions: address and boot program in one answer.
+    let socket = NetNamespace::open(&pxe)
+        .expect("pxe namespace")
+        .udp_socket(
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 68)),
+            Some("eth0"),
+            true,
+        )
+        .expect("socket");
+
     let mut m = Message::default();
     m.set_opcode(Opcode::BootRequest)
         .set_htype(HType::Eth)
