@@ -127,13 +127,13 @@ pub struct ManagerArgs {
     #[arg(long)]
     pub dhcp_answer_all: bool,
     /// Boot program for legacy BIOS PXE (client architecture 0), served over TFTP.
-    #[arg(long, default_value = "undionly.kpxe")]
+    #[arg(long, default_value = crate::boot::dhcp::DEFAULT_BIOS_FILE)]
     pub boot_file_bios: String,
     /// Boot program for x86-64 UEFI (architectures 7, 9; HTTP Boot 16 gets it over HTTP).
-    #[arg(long, default_value = "ipxe.efi")]
+    #[arg(long, default_value = crate::boot::dhcp::DEFAULT_EFI_X64_FILE)]
     pub boot_file_efi_x64: String,
     /// Boot program for arm64 UEFI (architecture 11; HTTP Boot 19), when the TFTP root has one.
-    #[arg(long, default_value = "snp.efi")]
+    #[arg(long, default_value = crate::boot::dhcp::DEFAULT_EFI_ARM64_FILE)]
     pub boot_file_efi_arm64: String,
     /// Open the boot service's sockets (HTTP, TFTP, DHCP) in this network namespace (a name
     /// from `ip netns` or a path); the lab's provisioning network. Default: the process's own.

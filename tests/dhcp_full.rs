@@ -136,17 +136,7 @@ async fn full_dhcp_leases_survive_a_restart_and_honour_reservations() {
 
     // DHCP starvation: 300 DISCOVERs from made-up MACs. Offers held are bounded, so a real
     // client arriving after them still gets an address.
-    let offered = || {
-        metalboot::metrics::render()
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("metalboot_boot_dhcp_packets_total{outcome=\"offered\"} ")?
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-            })
-            .unwrap_or(0)
-    };
+    let offered = || support::dhcp_packets("offered");
     // From a machine of its own: 300 broadcast OFFERs to made-up MACs must not fill the PXE
     // client's socket buffer below.
     let flood = NetNamespace::open(&flooder)

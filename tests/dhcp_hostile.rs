@@ -51,16 +51,7 @@ fn discover(xid: u32, mac: &[u8; 6], pxe: bool) -> Vec<u8> {
     m.to_vec().expect("encode")
 }
 
-/// metalboot's packet counter for one outcome ("" sums them all).
-fn counted(outcome: &str) -> u64 {
-    let prefix = "metalboot_boot_dhcp_packets_total{outcome=\"";
-    metalboot::metrics::render()
-        .lines()
-        .filter_map(|l| l.strip_prefix(prefix))
-        .filter(|l| outcome.is_empty() || l.starts_with(&format!("{outcome}\"")))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<u64>().ok())
-        .sum()
-}
+use support::dhcp_packets as counted;
 
 /// A DHCP client machine on the bridge.
 struct Client {

@@ -87,6 +87,38 @@ async fn curl_fetches_undionly_byte_identical_with_blksize_1468() {
     assert!(got == original(), "byte-identical");
 }
 
+/// Fetches undionly.kpxe with atftp and `options` (e.g. `blksize 1468`) into `out`; returns
+/// atftp's trace and its OACK line.
+async fn atftp(addr: SocketAddr, options: &[String], out: &Path) -> (String, String) {
+    let mut args = vec!["--trace".to_string()];
+    for option in options {
+        args.extend(["--option".to_string(), option.clone()]);
+    }
+    let (port, local) = (addr.port().to_string(), out.to_path_buf());
+    let result = tokio::task::spawn_blocking(move || {
+        Command::new("atftp")
+            .args(&args)
+            .args(["-g", "-r", "undionly.kpxe", "-l"])
+            .arg(&local)
+            .args(["127.0.0.1", &port])
+            .output()
+            .expect("run atftp")
+    })
+    .await
+    .expect("atftp task");
+    let trace = format!(
+        "{}{}",
+        String::from_utf8_lossy(&result.stdout),
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let oack = trace
+        .lines()
+        .find(|l| l.contains("OACK"))
+        .unwrap_or_else(|| panic!("no OACK in the trace:\n{trace}"))
+        .to_string();
+    (trace, oack)
+}
+
 /// RFC 7440: atftp asks for a window of 8 blocks; the server acknowledges it and the file
 /// arrives whole. A window larger than the server's cap is cut to the cap.
 #[tokio::test]
@@ -95,29 +127,8 @@ async fn atftp_with_windowsize_gets_the_window_and_the_whole_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     for (asked, granted) in [(8, 8), (500, 16)] {
         let out = dir.path().join(format!("undionly-{asked}.kpxe"));
-        let port = addr.port().to_string();
-        let local = out.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            Command::new("atftp")
-                .args(["--trace", "--option", "blksize 1468", "--option"])
-                .arg(format!("windowsize {asked}"))
-                .args(["-g", "-r", "undionly.kpxe", "-l"])
-                .arg(&local)
-                .args(["127.0.0.1", &port])
-                .output()
-                .expect("run atftp")
-        })
-        .await
-        .expect("atftp task");
-        let trace = format!(
-            "{}{}",
-            String::from_utf8_lossy(&result.stdout),
-            String::from_utf8_lossy(&result.stderr)
-        );
-        let oack = trace
-            .lines()
-            .find(|l| l.contains("OACK"))
-            .unwrap_or_else(|| panic!("no OACK in the trace:\n{trace}"));
+        let options = ["blksize 1468".to_string(), format!("windowsize {asked}")];
+        let (trace, oack) = atftp(addr, &options, &out).await;
         assert!(oack.contains(&format!("windowsize: {granted}")), "{oack}");
         // ACKs only every window: far fewer than one per block.
         let acks = trace.lines().filter(|l| l.contains("sent ACK")).count();
@@ -136,37 +147,8 @@ async fn atftp_trace_shows_blksize_and_tsize_negotiated() {
     let addr = start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("undionly.kpxe");
-    let port = addr.port().to_string();
-    let local = out.clone();
-    let result = tokio::task::spawn_blocking(move || {
-        Command::new("atftp")
-            .args([
-                "--trace",
-                "--option",
-                "blksize 1468",
-                "--option",
-                "tsize 0",
-                "-g",
-                "-r",
-                "undionly.kpxe",
-                "-l",
-            ])
-            .arg(&local)
-            .args(["127.0.0.1", &port])
-            .output()
-            .expect("run atftp")
-    })
-    .await
-    .expect("atftp task");
-    let trace = format!(
-        "{}{}",
-        String::from_utf8_lossy(&result.stdout),
-        String::from_utf8_lossy(&result.stderr)
-    );
-    let oack = trace
-        .lines()
-        .find(|l| l.contains("OACK"))
-        .unwrap_or_else(|| panic!("no OACK in the trace:\n{trace}"));
+    let options = ["blksize 1468".to_string(), "tsize 0".to_string()];
+    let (_, oack) = atftp(addr, &options, &out).await;
     println!("atftp: {oack}");
     assert!(oack.contains("blksize: 1468"), "{oack}");
     assert!(

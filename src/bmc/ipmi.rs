@@ -111,6 +111,16 @@ fn arguments(host: &str, port: u16, username: &str, cipher: u8, command: &[&str]
     args
 }
 
+/// One `Name : value` line of `mc info`, bounded; None when absent or empty.
+fn mc_info_field(text: &str, name: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == name)
+            .then(|| v.trim().chars().take(100).collect::<String>())
+            .filter(|v| !v.is_empty())
+    })
+}
+
 /// Reads `chassis bootparam get 5` (boot flags).
 fn parse_boot_flags(text: &str) -> BootOverride {
     let line = |prefix: &str| {
@@ -271,6 +281,13 @@ impl IpmiBmc {
         })
     }
 
+    fn no_virtual_media(&self) -> BmcError {
+        BmcError::Unsupported {
+            address: self.address.clone(),
+            what: "virtual media over IPMI".into(),
+        }
+    }
+
     async fn read_power(&self) -> Result<PowerState, BmcError> {
         let text = self
             .run("power status", &["chassis", "power", "status"])
@@ -348,35 +365,20 @@ impl Bmc for IpmiBmc {
     }
 
     fn insert_media<'a>(&'a self, _iso_url: &'a str) -> BmcFuture<'a, ()> {
-        Box::pin(async move {
-            Err(BmcError::Unsupported {
-                address: self.address.clone(),
-                what: "virtual media over IPMI".into(),
-            })
-        })
+        Box::pin(async move { Err(self.no_virtual_media()) })
     }
 
     fn eject_media(&self) -> BmcFuture<'_, ()> {
-        Box::pin(async move {
-            Err(BmcError::Unsupported {
-                address: self.address.clone(),
-                what: "virtual media over IPMI".into(),
-            })
-        })
+        Box::pin(async move { Err(self.no_virtual_media()) })
     }
 
     fn inventory(&self) -> BmcFuture<'_, HardwareInventory> {
         Box::pin(async move {
             let text = self.run("read inventory", &["mc", "info"]).await?;
-            let field = |name: &str| {
-                text.lines().find_map(|l| {
-                    let (k, v) = l.split_once(':')?;
-                    (k.trim() == name).then(|| v.trim().chars().take(100).collect::<String>())
-                })
-            };
+            let field = |name: &str| mc_info_field(&text, name);
             let mut inventory = HardwareInventory {
-                manufacturer: field("Manufacturer Name").filter(|v| !v.is_empty()),
-                model: field("Product Name").filter(|v| !v.is_empty()),
+                manufacturer: field("Manufacturer Name"),
+                model: field("Product Name"),
                 ..Default::default()
             };
             if let Some(firmware) = field("Firmware Revision") {
@@ -390,14 +392,7 @@ impl Bmc for IpmiBmc {
     fn probe(&self) -> BmcFuture<'_, BmcCapabilities> {
         Box::pin(async move {
             let text = self.run("probe", &["mc", "info"]).await?;
-            let field = |name: &str| {
-                text.lines().find_map(|l| {
-                    let (k, v) = l.split_once(':')?;
-                    (k.trim() == name)
-                        .then(|| v.trim().chars().take(100).collect::<String>())
-                        .filter(|v| !v.is_empty())
-                })
-            };
+            let field = |name: &str| mc_info_field(&text, name);
             Ok(BmcCapabilities {
                 protocol: "IPMI".into(),
                 protocol_version: field("IPMI Version"),

@@ -1268,26 +1268,20 @@ impl RedfishBmc {
             .pointer("/Actions/#ComputerSystem.Reset")
             .cloned()
             .unwrap_or(Value::Null);
-        let (reset_types, reset_types_source) =
-            if reset.get("ResetType@Redfish.AllowableValues").is_some() {
-                (
-                    self.allowable_reset_types(&reset)
-                        .await?
-                        .unwrap_or_default(),
-                    "AllowableValues",
-                )
-            } else if reset.get("@Redfish.ActionInfo").is_some() {
-                (
-                    self.allowable_reset_types(&reset)
-                        .await
-                        .ok()
-                        .flatten()
-                        .unwrap_or_default(),
-                    "ActionInfo",
-                )
-            } else {
-                (Vec::new(), "none advertised")
-            };
+        let reset_types_source = if reset.get("ResetType@Redfish.AllowableValues").is_some() {
+            "AllowableValues"
+        } else if reset.get("@Redfish.ActionInfo").is_some() {
+            "ActionInfo"
+        } else {
+            "none advertised"
+        };
+        // An ActionInfo that cannot be read leaves the reset types unknown, not the probe failed.
+        let reset_types = self
+            .allowable_reset_types(&reset)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let allowed = |key: &str| {
             system
                 .pointer(&format!("/Boot/{key}@Redfish.AllowableValues"))

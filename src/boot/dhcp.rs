@@ -22,12 +22,17 @@ pub struct BootFiles {
     pub http_base: String,
 }
 
+/// The boot programs given when none is configured (Debian's `ipxe` package names).
+pub const DEFAULT_BIOS_FILE: &str = "undionly.kpxe";
+pub const DEFAULT_EFI_X64_FILE: &str = "ipxe.efi";
+pub const DEFAULT_EFI_ARM64_FILE: &str = "snp.efi";
+
 impl BootFiles {
     pub fn new(http_base: &str) -> Self {
         Self {
-            bios: "undionly.kpxe".into(),
-            efi_x64: "ipxe.efi".into(),
-            efi_arm64: "snp.efi".into(),
+            bios: DEFAULT_BIOS_FILE.into(),
+            efi_x64: DEFAULT_EFI_X64_FILE.into(),
+            efi_arm64: DEFAULT_EFI_ARM64_FILE.into(),
             http_base: http_base.trim_end_matches('/').to_string(),
         }
     }

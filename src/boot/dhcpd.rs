@@ -78,6 +78,9 @@ pub struct DhcpService {
     limiter: Arc<Mutex<AnswerLimiter>>,
     /// Full-DHCP mode: metalboot hands out the addresses too (None: proxyDHCP).
     leases: Option<Arc<Mutex<Leases>>>,
+    /// When the reservations were last read from the hosts: at most once a second, not once
+    /// per packet (reading them walks every MetalHost).
+    reservations_read: Mutex<Option<Instant>>,
 }
 
 impl DhcpService {
@@ -103,6 +106,7 @@ impl DhcpService {
             config: Arc::new(config),
             clients,
             leases: None,
+            reservations_read: Mutex::new(None),
         })
     }
 
@@ -211,7 +215,16 @@ impl DhcpService {
             let Ok(mut leases) = leases.lock() else {
                 return;
             };
-            leases.set_reservations(self.clients.reservations());
+            let stale = self.reservations_read.lock().is_ok_and(|mut read| {
+                let stale = read.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                if stale {
+                    *read = Some(Instant::now());
+                }
+                stale
+            });
+            if stale {
+                leases.set_reservations(self.clients.reservations());
+            }
             let pool = leases.pool().clone();
             let outcome = match kind {
                 AddressRequest::Discover { requested } => {

@@ -37,10 +37,7 @@ pub fn start(
     redfish_credentials: (&str, &str),
     ipmi_credentials: (&str, &str),
 ) -> std::io::Result<IpmiFront> {
-    std::fs::create_dir_all(dir.join("state"))?;
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    std::fs::create_dir_all(dir)?;
     // curl reads the virtual BMC's credentials from a file only this user can read, never from
     // its command line.
     let curl_config = dir.join("curl.conf");
@@ -91,11 +88,28 @@ esac
         ),
     )?;
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+    start_simulator(dir, system, &script, ipmi_credentials)
+}
+
+/// Starts OpenIPMI's `ipmi_sim` in `dir` on a free loopback port: one management controller,
+/// RMCP+ on the LAN, one admin user, and `chassis_control` as its chassis-control program
+/// (`<program> 0x20 get|set <parm> [<value>]…`). The lab passes a program that drives a QEMU
+/// host through the virtual BMC; tests pass one that records the calls.
+pub fn start_simulator(
+    dir: &Path,
+    name: &str,
+    chassis_control: &Path,
+    (user, password): (&str, &str),
+) -> std::io::Result<IpmiFront> {
+    std::fs::create_dir_all(dir.join("state"))?;
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let lan = dir.join("lan.conf");
     std::fs::write(
         &lan,
         format!(
-            r#"name "{system}"
+            r#"name "{name}"
 set_working_mc 0x20
   startlan 1
     addr 127.0.0.1 {port}
@@ -109,9 +123,7 @@ set_working_mc 0x20
   chassis_control "{script} 0x20"
   user 2 true  "{user}" "{password}" admin 10 none md2 md5 straight
 "#,
-            script = script.display(),
-            user = ipmi_credentials.0,
-            password = ipmi_credentials.1,
+            script = chassis_control.display(),
         ),
     )?;
     std::fs::set_permissions(&lan, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;

@@ -123,12 +123,17 @@ impl LabNetwork {
             "mode",
             "tap",
         ])?;
+        self.attach(tap)
+    }
+
+    /// Puts `port` (in the provisioning namespace) on the bridge and up.
+    fn attach(&self, port: &str) -> Result<(), NetError> {
         ip(&[
             "-n",
             &self.netns,
             "link",
             "set",
-            tap,
+            port,
             "master",
             BRIDGE,
             "up",
@@ -168,16 +173,7 @@ impl LabNetwork {
             "netns",
             &ns,
         ])?;
-        ip(&[
-            "-n",
-            &self.netns,
-            "link",
-            "set",
-            &port,
-            "master",
-            BRIDGE,
-            "up",
-        ])?;
+        self.attach(&port)?;
         if let Some(address) = address {
             ip(&["-n", &ns, "addr", "add", address, "dev", "eth0"])?;
         }

@@ -206,8 +206,9 @@ impl QemuHost {
             (Firmware::Bios, "UEFI") => Firmware::UefiPxe,
             (firmware, _) => firmware,
         };
+        let ovmf = firmware.uefi() && Path::new(OVMF).exists();
         if firmware.uefi() {
-            if Path::new(OVMF).exists() {
+            if ovmf {
                 cmd.args(["-bios", OVMF]);
                 // IPv6 is not on the lab network: no PXEv6/HTTPv6 wait.
                 cmd.args(["-fw_cfg", "name=opt/org.tianocore/IPv6PXESupport,string=n"]);
@@ -225,11 +226,7 @@ impl QemuHost {
             }
         };
         // EDK2's own network stack runs only without the NIC's iPXE option ROM.
-        let romfile = if firmware.uefi() && Path::new(OVMF).exists() {
-            ",romfile="
-        } else {
-            ""
-        };
+        let romfile = if ovmf { ",romfile=" } else { "" };
         cmd.args(["-name", &self.spec.name])
             .args(["-machine", &format!("pc,accel={}", self.spec.accel.name())])
             .args(["-m", &self.spec.memory_mib.to_string(), "-smp", "1"])

@@ -6,20 +6,21 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
+use metalboot::lab::ipmi::IpmiFront;
 
 pub const USER: &str = "admin";
 pub const PASSWORD: &str = "ipmi-s3cret-pw";
 
 pub struct IpmiSim {
-    child: Child,
+    front: IpmiFront,
     pub port: u16,
     pub dir: PathBuf,
 }
 
 impl IpmiSim {
     pub fn address(&self) -> String {
-        format!("ipmi://127.0.0.1:{}", self.port)
+        self.front.address()
     }
 
     /// Every chassis-control call ipmi_sim made, e.g. `set power 1`, `set boot pxe`.
@@ -38,24 +39,9 @@ impl IpmiSim {
     }
 }
 
-impl Drop for IpmiSim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free UDP port")
-}
-
 /// Starts ipmi_sim in `dir`; returns once it answers on its LAN port.
 pub async fn start(dir: &Path) -> IpmiSim {
-    std::fs::create_dir_all(dir.join("state")).expect("state dir");
-    let port = free_udp_port();
+    std::fs::create_dir_all(dir).expect("dir");
     let script = dir.join("chassis.sh");
     std::fs::write(
         &script,
@@ -81,50 +67,12 @@ esac
     .expect("chassis script");
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .expect("chmod");
-    std::fs::write(
-        dir.join("lan.conf"),
-        format!(
-            r#"name "metalboot-test"
-set_working_mc 0x20
-  startlan 1
-    addr 127.0.0.1 {port}
-    priv_limit admin
-    allowed_auths_callback none md2 md5 straight
-    allowed_auths_user none md2 md5 straight
-    allowed_auths_operator none md2 md5 straight
-    allowed_auths_admin none md2 md5 straight
-    guid a123456789abcdefa123456789abcdef
-  endlan
-  chassis_control "{script} 0x20"
-  user 2 true  "{USER}" "{PASSWORD}" admin 10 none md2 md5 straight
-"#,
-            script = script.display()
-        ),
-    )
-    .expect("lan.conf");
-    // The management controller must be added and enabled, or the LAN interface never opens.
-    std::fs::write(
-        dir.join("sim.emu"),
-        "mc_setbmc 0x20\nmc_add 0x20 0 no-device-sdrs 0x23 9 8 0x9f 0x1291 0xf02 persist_sdr\nmc_enable 0x20\n",
-    )
-    .expect("sim.emu");
-    let child = Command::new("ipmi_sim")
-        .arg("-c")
-        .arg(dir.join("lan.conf"))
-        .arg("-f")
-        .arg(dir.join("sim.emu"))
-        .arg("-s")
-        .arg(dir.join("state"))
-        .arg("-n")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(
-            std::fs::File::create(dir.join("ipmi_sim.log")).expect("log"),
-        ))
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("ipmi_sim (Debian openipmi)");
+    let front =
+        metalboot::lab::ipmi::start_simulator(dir, "metalboot-test", &script, (USER, PASSWORD))
+            .expect("ipmi_sim (Debian openipmi)");
+    let port = front.port;
     let sim = IpmiSim {
-        child,
+        front,
         port,
         dir: dir.to_path_buf(),
     };

@@ -255,3 +255,15 @@ pub async fn create_workload_kubeconfig(
         .await
         .expect("kubeconfig Secret");
 }
+
+/// The boot service's DHCP packet counter (`metalboot_boot_dhcp_packets_total`) for one outcome,
+/// or all of them summed for "": how a test sees what the DHCP service decided.
+pub fn dhcp_packets(outcome: &str) -> u64 {
+    let prefix = "metalboot_boot_dhcp_packets_total{outcome=\"";
+    metalboot::metrics::render()
+        .lines()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .filter(|l| outcome.is_empty() || l.starts_with(&format!("{outcome}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<u64>().ok())
+        .sum()
+}

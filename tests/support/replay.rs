@@ -37,76 +37,66 @@ pub struct Behaviour {
 
 pub struct Personality {
     pub name: &'static str,
-    /// Sample directory under target/tools/replay and the files of root, system, manager.
+    /// Sample directory under target/tools/replay; its `root.json`, `system.json` and
+    /// `manager.json` are the service.
     pub dir: &'static str,
-    pub root: &'static str,
-    pub system: &'static str,
-    /// A key inside the system file (proliantutils keeps variants in one file).
+    /// A key inside `system.json` (proliantutils keeps variants in one file).
     pub system_key: Option<&'static str>,
-    pub manager: Option<&'static str>,
     pub behaviour: Behaviour,
+}
+
+fn personality(name: &'static str, dir: &'static str, behaviour: Behaviour) -> Personality {
+    Personality {
+        name,
+        dir,
+        system_key: None,
+        behaviour,
+    }
 }
 
 pub fn personalities() -> Vec<Personality> {
     vec![
+        personality(
+            "Dell iDRAC (sushy-oem-idrac samples)",
+            "idrac",
+            Behaviour::default(),
+        ),
         Personality {
-            name: "Dell iDRAC (sushy-oem-idrac samples)",
-            dir: "idrac",
-            root: "root.json",
-            system: "system.json",
-            system_key: None,
-            manager: Some("manager.json"),
-            behaviour: Behaviour::default(),
-        },
-        Personality {
-            name: "HPE iLO 5 (proliantutils samples), ETag required",
-            dir: "ilo",
-            root: "root.json",
-            system: "system.json",
             system_key: Some("default"),
-            manager: Some("manager.json"),
-            behaviour: Behaviour {
-                etag_required: true,
-                ..Default::default()
-            },
+            ..personality(
+                "HPE iLO 5 (proliantutils samples), ETag required",
+                "ilo",
+                Behaviour {
+                    etag_required: true,
+                    ..Default::default()
+                },
+            )
         },
-        Personality {
-            name: "generic (sushy samples), reset types only in ActionInfo",
-            dir: "sushy",
-            root: "root.json",
-            system: "system.json",
-            system_key: None,
-            manager: Some("manager.json"),
-            behaviour: Behaviour {
+        personality(
+            "generic (sushy samples), reset types only in ActionInfo",
+            "sushy",
+            Behaviour {
                 action_info: true,
                 ..Default::default()
             },
-        },
-        Personality {
-            name: "Dell iDRAC with a settings object for the boot mode (sushy samples)",
-            dir: "idrac",
-            root: "root.json",
-            system: "system.json",
-            system_key: None,
-            manager: Some("manager.json"),
-            behaviour: Behaviour {
+        ),
+        personality(
+            "Dell iDRAC with a settings object for the boot mode (sushy samples)",
+            "idrac",
+            Behaviour {
                 settings: Some("settings-body-bootsourceoverridemode-only.json"),
                 task_monitor: true,
                 ..Default::default()
             },
-        },
-        Personality {
-            name: "generic (sushy samples), busy: 503 + Retry-After on first requests",
-            dir: "sushy",
-            root: "root.json",
-            system: "system.json",
-            system_key: None,
-            manager: Some("manager.json"),
-            behaviour: Behaviour {
+        ),
+        personality(
+            "generic (sushy samples), busy: 503 + Retry-After on first requests",
+            "sushy",
+            Behaviour {
                 busy_first: true,
                 ..Default::default()
             },
-        },
+        ),
     ]
 }
 
@@ -169,7 +159,12 @@ impl Replay {
 }
 
 fn load(p: &Personality, file: &str) -> Value {
-    let path = samples_dir().join(p.dir).join(file);
+    load_sample(p.dir, file)
+}
+
+/// A sample from one package's directory under target/tools/replay.
+fn load_sample(dir: &str, file: &str) -> Value {
+    let path = samples_dir().join(dir).join(file);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (run hack/redfish-replay.sh)", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -177,8 +172,8 @@ fn load(p: &Personality, file: &str) -> Value {
 
 /// Starts a replay server for `p` on loopback.
 pub async fn start(p: &Personality) -> Replay {
-    let root = load(p, p.root);
-    let mut system = load(p, p.system);
+    let root = load(p, "root.json");
+    let mut system = load(p, "system.json");
     if let Some(key) = p.system_key {
         system = system[key].clone();
     }
@@ -213,12 +208,7 @@ pub async fn start(p: &Personality) -> Replay {
     let mut settings_path = None;
     if let Some(file) = p.behaviour.settings {
         // The settings sample is sushy's (an iDRAC reply in its test data).
-        let path = samples_dir().join("sushy").join(file);
-        let settings: Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| {
-                panic!("{}: {e} (run hack/redfish-replay.sh)", path.display())
-            }))
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let settings = load_sample("sushy", file);
         let path = norm(settings["@odata.id"].as_str().expect("settings @odata.id"));
         system["@Redfish.Settings"] = json!({"SettingsObject": {"@odata.id": path}});
         docs.insert(path.clone(), settings);
@@ -255,11 +245,9 @@ pub async fn start(p: &Personality) -> Replay {
             json!({"@odata.id": nic, "Id": "1", "MACAddress": "52:54:00:aa:bb:01"}),
         );
     }
-    if let Some(file) = p.manager {
-        let manager = load(p, file);
-        if let Some(id) = manager["@odata.id"].as_str() {
-            docs.insert(norm(id), manager);
-        }
+    let manager = load(p, "manager.json");
+    if let Some(id) = manager["@odata.id"].as_str() {
+        docs.insert(norm(id), manager);
     }
     docs.insert(
         systems_path.clone(),
