@@ -301,6 +301,26 @@ pub struct LabArgs {
     /// the virtual BMC) instead of Redfish.
     #[arg(long, default_value_t = 1)]
     pub ipmi_hosts: u32,
+    /// Instead of QEMU hosts, N simulated hosts behind the virtual BMC: each, network-booted,
+    /// fetches its iPXE script and NoCloud data, registers its Node and calls back, like a lab
+    /// host does over the network (for scale; see `make bench-scale`).
+    #[arg(long, default_value_t = 0)]
+    pub simulated_hosts: u32,
+    /// Simulated hosts: milliseconds from power-on to the firmware's first request.
+    #[arg(long, default_value_t = 2000)]
+    pub fleet_boot_delay_ms: u64,
+    /// Simulated hosts: milliseconds from the NoCloud data to the end of the bootstrap.
+    #[arg(long, default_value_t = 1000)]
+    pub fleet_os_delay_ms: u64,
+    /// Simulated hosts: the share (0 to 1) that never calls back.
+    #[arg(long, default_value_t = 0.0)]
+    pub fleet_no_callback: f64,
+    /// Simulated hosts: the share whose BMC answers every request with 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fleet_bmc_errors: f64,
+    /// Simulated hosts: the share whose BMC answers after 2 seconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub fleet_slow_bmc: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -318,6 +338,17 @@ impl LabArgs {
             boot_timeout_seconds: self.boot_timeout_seconds,
             standalone: self.standalone,
             ipmi_hosts: self.ipmi_hosts,
+            simulated: (self.simulated_hosts > 0).then(|| crate::lab::up::Simulated {
+                hosts: self.simulated_hosts,
+                boot_delay: std::time::Duration::from_millis(self.fleet_boot_delay_ms),
+                os_delay: std::time::Duration::from_millis(self.fleet_os_delay_ms),
+                faults: crate::lab::fleet::FaultShares {
+                    no_callback: self.fleet_no_callback.clamp(0.0, 1.0),
+                    bmc_errors: self.fleet_bmc_errors.clamp(0.0, 1.0),
+                    slow_bmc: self.fleet_slow_bmc.clamp(0.0, 1.0),
+                    slow_bmc_delay: std::time::Duration::from_secs(2),
+                },
+            }),
             network: match self.network {
                 LabNetworkArg::Bridged => crate::lab::up::NetworkMode::Bridged,
                 LabNetworkArg::User => crate::lab::up::NetworkMode::User,

@@ -323,9 +323,8 @@ fn error_policy(
     error: &ReconcileError,
     ctx: Arc<ConfigContext>,
 ) -> Action {
-    let delay = ctx.backoff.next(&key(cfg.as_ref()));
-    tracing::warn!(config = %key(cfg.as_ref()), error = %error, retry_in = ?delay, "CloudInitConfig reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("CloudInitConfig", &key(cfg.as_ref()), error)
 }
 
 pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<CloudInitConfig> {

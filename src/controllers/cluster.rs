@@ -138,9 +138,8 @@ async fn reconcile(
 }
 
 fn error_policy(cluster: Arc<Cluster>, error: &ReconcileError, ctx: Arc<StatusContext>) -> Action {
-    let delay = ctx.backoff.next(&key(cluster.as_ref()));
-    tracing::warn!(cluster = %key(cluster.as_ref()), error = %error, retry_in = ?delay, "Cluster status reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("Cluster status", &key(cluster.as_ref()), error)
 }
 
 pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<Cluster> {

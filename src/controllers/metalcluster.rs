@@ -141,9 +141,8 @@ async fn reconcile(
 }
 
 fn error_policy(mc: Arc<MetalCluster>, error: &ReconcileError, ctx: Arc<ClusterContext>) -> Action {
-    let delay = ctx.backoff.next(&key(mc.as_ref()));
-    tracing::warn!(cluster = %key(mc.as_ref()), error = %error, retry_in = ?delay, "MetalCluster reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("MetalCluster", &key(mc.as_ref()), error)
 }
 
 /// Owned by the Cluster of that name (the owner reference core or the Machine controller sets).

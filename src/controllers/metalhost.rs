@@ -566,9 +566,8 @@ async fn label_secrets_for_move(ctx: &HostContext, host: &MetalHost) {
 }
 
 fn error_policy(host: Arc<MetalHost>, error: &ReconcileError, ctx: Arc<HostContext>) -> Action {
-    let delay = ctx.backoff.next(&key(host.as_ref()));
-    tracing::warn!(host = %key(host.as_ref()), error = %error, retry_in = ?delay, "MetalHost reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("MetalHost", &key(host.as_ref()), error)
 }
 
 /// The hosts whose credentials or CA Secret is `secret`.

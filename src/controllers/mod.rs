@@ -100,6 +100,23 @@ pub enum ReconcileError {
 }
 
 impl ReconcileError {
+    /// A conditioned write refused because our copy was stale (409) or the object is already
+    /// gone (404). Not a failure: the watch brings the fresh object, and the pass is redone.
+    pub fn is_stale_write(&self) -> bool {
+        use kube::runtime::finalizer::Error as F;
+        match self {
+            ReconcileError::Write {
+                source: kube::Error::Api(e),
+                ..
+            } => e.code == 409 || e.code == 404,
+            ReconcileError::Finalizer(inner) => match inner.as_ref() {
+                F::ApplyFailed(e) | F::CleanupFailed(e) => e.is_stale_write(),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// For `Requeue` (also inside a finalizer error): when to look again, without backoff.
     pub fn requeue_after(&self) -> Option<Duration> {
         use kube::runtime::finalizer::Error as F;
@@ -160,6 +177,32 @@ impl Backoff {
             .unwrap_or(1);
         let jitter = 0.8 + rand::random::<f64>() * 0.4;
         backoff_delay(n).mul_f64(jitter)
+    }
+
+    /// After a stale write: soon, once the watch has had time to deliver the fresh object.
+    pub const STALE_RETRY: Duration = Duration::from_millis(500);
+
+    /// What a controller's error policy does after a failed pass over `key` (a `kind`): a
+    /// `Requeue` comes back when it asked; a stale write soon and quietly (at a thousand hosts
+    /// these are routine, and backing them off only delays the fleet); anything else is a
+    /// warning and exponential backoff.
+    pub fn after_failure(
+        &self,
+        kind: &str,
+        key: &str,
+        error: &ReconcileError,
+    ) -> kube::runtime::controller::Action {
+        use kube::runtime::controller::Action;
+        if let Some(after) = error.requeue_after() {
+            return Action::requeue(after);
+        }
+        if error.is_stale_write() {
+            tracing::debug!(kind, object = %key, %error, "stale write; redoing the pass");
+            return Action::requeue(Self::STALE_RETRY);
+        }
+        let delay = self.next(key);
+        tracing::warn!(kind, object = %key, error = %error, retry_in = ?delay, "reconcile failed");
+        Action::requeue(delay)
     }
 
     /// `key` reconciled fine: its next failure starts from the base delay again.
@@ -335,6 +378,29 @@ pub fn passes_watch_filter<K: Resource>(obj: &K, filter: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_writes_retry_soon_without_backoff_and_real_failures_back_off() {
+        let api = |code: u16| {
+            let status = serde_json::json!({"status": "Failure", "code": code});
+            kube::Error::Api(Box::new(serde_json::from_value(status).expect("a Status")))
+        };
+        let write = |code| ReconcileError::write("Machine m finalizer".to_string())(api(code));
+        let b = Backoff::default();
+        for (error, stale) in [
+            (write(409), true),
+            (write(404), true),
+            (write(422), false),
+            (write(500), false),
+            (ReconcileError::Invalid("bad".into()), false),
+        ] {
+            assert_eq!(error.is_stale_write(), stale, "{error}");
+            let action = b.after_failure("Machine", "ns/m", &error);
+            let quick = kube::runtime::controller::Action::requeue(Backoff::STALE_RETRY);
+            assert_eq!(action == quick, stale, "{error}");
+        }
+        assert_eq!(b.len(), 1, "only real failures count towards the backoff");
+    }
 
     #[test]
     fn backoff_doubles_then_caps() {

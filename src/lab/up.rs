@@ -9,28 +9,25 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::ByteString;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
+use crate::api::MetalHost;
 use crate::api::capi::Machine;
-use crate::api::{CLUSTER_NAME_LABEL, MetalHost};
 use crate::boot::http::BootEvent;
 use crate::controlplane::{self, ControlPlane, Lifetime};
 use crate::manager::ManagerOptions;
 
 use super::net::LabNetwork;
+use super::objects::LabObjects;
 use super::qemu::{Accel, Firmware, HostNetwork, QemuHost, QemuHostSpec, probe_accel};
-use super::vbmc::{self, VirtualBmc};
+use super::vbmc::{self, LabSystem, VirtualBmc};
+use futures::{StreamExt, TryStreamExt};
 
 pub const NAMESPACE: &str = "metalboot-lab";
 pub const CLUSTER: &str = "lab";
-const MANAGER: &str = "metalboot-lab";
+pub(crate) const MANAGER: &str = "metalboot-lab";
 
 #[derive(Debug, Clone)]
 pub struct LabOptions {
@@ -46,6 +43,17 @@ pub struct LabOptions {
     /// How hosts are wired: a bridged network in namespaces (real DHCP/PXE/TFTP) or QEMU's
     /// user-mode network (its DHCP hands iPXE the script URL).
     pub network: NetworkMode,
+    /// Simulated hosts instead of QEMU ones (`--simulated-hosts`).
+    pub simulated: Option<Simulated>,
+}
+
+/// `lab up --simulated-hosts N`: the fleet of [`super::fleet`] on loopback, no QEMU.
+#[derive(Debug, Clone)]
+pub struct Simulated {
+    pub hosts: u32,
+    pub boot_delay: Duration,
+    pub os_delay: Duration,
+    pub faults: super::fleet::FaultShares,
 }
 
 /// `lab up --network`.
@@ -180,9 +188,7 @@ fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
         .and_then(|b| serde_json::from_slice(&b).ok())
 }
 
-fn mac_of(i: u32) -> String {
-    format!("52:54:00:6d:{:02x}:{:02x}", (i >> 8) & 0xff, i & 0xff)
-}
+use super::fleet::mac_of;
 
 fn free_port() -> Result<u16, LabError> {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -191,29 +197,13 @@ fn free_port() -> Result<u16, LabError> {
         .map_err(io("finding a free port"))
 }
 
-async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, kube::Error>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + Serialize
-        + for<'de> Deserialize<'de>
-        + std::fmt::Debug,
-{
-    api.patch(
-        &object.name_any(),
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(object),
-    )
-    .await
-}
-
 /// The lab daemon: everything runs in this process until SIGTERM/SIGINT.
 pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     let dir = opts.dir.clone();
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     let image = dir.join("image");
     for f in ["vmlinuz", "initrd.gz"] {
-        if !image.join(f).is_file() {
+        if opts.simulated.is_none() && !image.join(f).is_file() {
             return Err(LabError::Setup(format!(
                 "lab image {} missing; run hack/lab-image/build.sh",
                 image.join(f).display()
@@ -257,7 +247,13 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     );
 
     // The bridged network when the machine allows it; otherwise user-mode, said loudly.
-    let mut network = match opts.network {
+    // Simulated hosts live on loopback: no bridge, no firmware, no DHCP.
+    let network_mode = if opts.simulated.is_some() {
+        NetworkMode::User
+    } else {
+        opts.network
+    };
+    let mut network = match network_mode {
         NetworkMode::User => None,
         NetworkMode::Bridged => match LabNetwork::create(&netns_name(&dir)) {
             Ok(mut net) => match net.start_site_dhcp(&dir.join("network")) {
@@ -327,7 +323,12 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
 
     let bmc_password = crate::boot::tokens::Token::mint().expose()[..24].to_string();
     let mut hosts: Vec<Arc<QemuHost>> = Vec::new();
-    for i in 0..opts.hosts {
+    let qemu_hosts = if opts.simulated.is_some() {
+        0
+    } else {
+        opts.hosts
+    };
+    for i in 0..qemu_hosts {
         let host_network = match &network {
             Some(net) => {
                 let tap = format!("tap{i}");
@@ -359,8 +360,26 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         let _ = std::fs::create_dir_all(&h.spec.dir);
         let _ = std::fs::remove_file(h.serial_log());
     }
-    let bmc = Arc::new(VirtualBmc::new(
-        hosts.clone(),
+    let fleet = match &opts.simulated {
+        Some(sim) => Some(
+            super::fleet::Fleet::new(super::fleet::FleetOptions {
+                hosts: sim.hosts,
+                boot_url: boot_url.clone(),
+                boot_delay: sim.boot_delay,
+                os_delay: sim.os_delay,
+                faults: sim.faults.clone(),
+                concurrent_boots: 256,
+            })
+            .map_err(|e| LabError::Setup(format!("the simulated fleet's HTTP client: {e}")))?,
+        ),
+        None => None,
+    };
+    let mut systems: Vec<LabSystem> = hosts.iter().cloned().map(LabSystem::Qemu).collect();
+    if let Some(fleet) = &fleet {
+        systems.extend(fleet.systems());
+    }
+    let bmc = Arc::new(VirtualBmc::with_systems(
+        systems.clone(),
         "admin".into(),
         bmc_password.clone(),
     ));
@@ -374,17 +393,19 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     // The last `ipmi_hosts` hosts answer IPMI (ipmi_sim in front of the virtual BMC).
     let ipmi_password = crate::boot::tokens::Token::mint().expose()[..16].to_string();
     let mut ipmi_fronts = Vec::new();
-    let mut bmcs: Vec<(String, &'static str)> = hosts
+    let mut bmcs: Vec<(String, &'static str)> = systems
         .iter()
-        .map(|h| {
+        .map(|s| {
             (
-                format!("{bmc_url}/redfish/v1/Systems/{}", h.spec.name),
+                format!("{bmc_url}/redfish/v1/Systems/{}", s.name()),
                 "lab-bmc",
             )
         })
         .collect();
-    let ipmi_from = opts.hosts.saturating_sub(opts.ipmi_hosts) as usize;
-    if opts.ipmi_hosts > 0 && !super::ipmi::available() {
+    let ipmi_from = qemu_hosts.saturating_sub(opts.ipmi_hosts) as usize;
+    if qemu_hosts == 0 || opts.ipmi_hosts == 0 {
+        // No QEMU host to put behind IPMI.
+    } else if !super::ipmi::available() {
         tracing::warn!(
             "ipmi_sim, ipmitool or curl missing (packages openipmi, ipmitool, curl): every lab host uses Redfish"
         );
@@ -423,25 +444,47 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             tracing::error!(error = %e, "apiserver relay stopped");
         }
     });
-    create_objects(
-        &client,
-        &opts,
-        mode,
-        &host_side_ip,
-        &cp,
-        &bmcs,
-        (&bmc_password, &ipmi_password),
-        &api_port,
-        relay_port,
-    )
-    .await?;
+    let objects = LabObjects {
+        client: client.clone(),
+        namespace: NAMESPACE.into(),
+        endpoint: (host_side_ip.clone(), api_port.parse().unwrap_or(6443)),
+        kubeconfig: serde_yaml::to_string(&cp.kubeconfig)
+            .map_err(|e| LabError::Setup(e.to_string()))?,
+        kubelet_apiserver: format!("http://{host_side_ip}:{relay_port}"),
+        boot_timeout_seconds: opts.boot_timeout_seconds,
+    };
+    objects
+        .base(&[("lab-bmc", &bmc_password), ("lab-ipmi", &ipmi_password)])
+        .await?;
+    let what = if fleet.is_some() {
+        "simulated"
+    } else {
+        "QEMU lab"
+    };
+    let count = bmcs.len() as u32;
+    // A few at a time: thousands of simulated hosts register in seconds, not minutes.
+    futures::stream::iter((0..count).zip(&bmcs))
+        .map(|(i, bmc)| {
+            let uefi = fleet.is_none() && firmware_of(i, mode).uefi();
+            let description = format!("{what} host {i}");
+            let objects = &objects;
+            async move { objects.host(i, (&bmc.0, bmc.1), uefi, &description).await }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    futures::stream::iter(0..count)
+        .map(|i| objects.machine(i))
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
 
     let state = LabState {
         pid: std::process::id(),
         kubeconfig: cp.kubeconfig_path.clone(),
         accel: accel.name().into(),
         boot_url,
-        bmc_url,
+        bmc_url: bmc_url.clone(),
         network: mode,
         netns: network.as_ref().map(|n| n.netns.clone()),
         hosts: hosts
@@ -454,10 +497,17 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                 bmc: bmcs.get(i).map(|b| b.0.clone()).unwrap_or_default(),
                 serial_log: h.serial_log(),
             })
+            .chain(fleet.iter().flat_map(|f| &f.hosts).map(|h| LabHost {
+                name: h.name.clone(),
+                mac: h.mac.clone(),
+                firmware: bios(),
+                bmc: format!("{bmc_url}/redfish/v1/Systems/{}", h.name),
+                serial_log: PathBuf::new(),
+            }))
             .collect(),
     };
     write_json(&dir.join("state.json"), &state)?;
-    tracing::info!(hosts = opts.hosts, "lab objects created; provisioning");
+    tracing::info!(hosts = count, "lab objects created; provisioning");
 
     // Timings: power-on from the hosts, boot milestones from the boot service, Running from Machines.
     let mut events = manager
@@ -468,7 +518,8 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     let mut timelines: BTreeMap<String, Timeline> = BTreeMap::new();
     let machines: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
     let metal_machines: Api<crate::api::MetalMachine> = Api::namespaced(client.clone(), NAMESPACE);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // Listing thousands of Machines every second would be most of the apiserver's work.
+    let mut tick = tokio::time::interval(Duration::from_secs(if count > 50 { 10 } else { 1 }));
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io("SIGTERM handler"))?;
     let stamp = || jiff::Timestamp::now().to_string();
@@ -505,6 +556,13 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                     }
                     live.insert(h.spec.name.clone(), HostLive { power: power.into(), qemu_pid: pid });
                 }
+                if let Some(fleet) = &fleet {
+                    for h in &fleet.hosts {
+                        let power = format!("{:?}", h.power_state());
+                        live.insert(h.name.clone(), HostLive { power, qemu_pid: None });
+                    }
+                    let _ = write_json(&dir.join("fleet.json"), &fleet.stats());
+                }
                 // Which host runs which Machine is the MetalMachine's claim, not the order.
                 let claims: BTreeMap<String, String> = metal_machines
                     .list(&ListParams::default())
@@ -535,281 +593,6 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     cp.stop();
     let _ = std::fs::remove_file(dir.join("state.json"));
     let _ = std::fs::remove_file(dir.join("lab.pid"));
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn create_objects(
-    client: &kube::Client,
-    opts: &LabOptions,
-    mode: NetworkMode,
-    host_side_ip: &str,
-    cp: &ControlPlane,
-    bmcs: &[(String, &str)],
-    (bmc_password, ipmi_password): (&str, &str),
-    api_port: &str,
-    relay_port: u16,
-) -> Result<(), LabError> {
-    let label = |pairs: &[(&str, &str)]| {
-        Some(
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect::<BTreeMap<_, _>>(),
-        )
-    };
-    let meta = |name: &str| ObjectMeta {
-        name: Some(name.into()),
-        namespace: Some(NAMESPACE.into()),
-        ..Default::default()
-    };
-    apply(
-        &Api::<Namespace>::all(client.clone()),
-        &Namespace {
-            metadata: ObjectMeta {
-                name: Some(NAMESPACE.into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-    )
-    .await?;
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
-    let secret =
-        |name: &str, labels: Option<BTreeMap<String, String>>, data: Vec<(&str, Vec<u8>)>| Secret {
-            metadata: ObjectMeta {
-                labels,
-                ..meta(name)
-            },
-            data: Some(
-                data.into_iter()
-                    .map(|(k, v)| (k.to_string(), ByteString(v)))
-                    .collect(),
-            ),
-            ..Default::default()
-        };
-    apply(
-        &secrets,
-        &secret(
-            "lab-bmc",
-            None,
-            vec![
-                ("username", b"admin".to_vec()),
-                ("password", bmc_password.as_bytes().to_vec()),
-            ],
-        ),
-    )
-    .await?;
-    apply(
-        &secrets,
-        &secret(
-            "lab-ipmi",
-            None,
-            vec![
-                ("username", b"admin".to_vec()),
-                ("password", ipmi_password.as_bytes().to_vec()),
-            ],
-        ),
-    )
-    .await?;
-
-    // The kubelet stand-in's identity: a ServiceAccount allowed to register Nodes.
-    let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
-    apply(
-        &sa,
-        &ServiceAccount {
-            metadata: meta("lab-kubelet"),
-            ..Default::default()
-        },
-    )
-    .await?;
-    apply(
-        &Api::<ClusterRole>::all(client.clone()),
-        &ClusterRole {
-            metadata: ObjectMeta {
-                name: Some("metalboot-lab-kubelet".into()),
-                ..Default::default()
-            },
-            rules: Some(vec![
-                PolicyRule {
-                    api_groups: Some(vec!["".into()]),
-                    resources: Some(vec!["nodes".into()]),
-                    verbs: vec![
-                        "create".into(),
-                        "get".into(),
-                        "list".into(),
-                        "watch".into(),
-                        "patch".into(),
-                        "update".into(),
-                    ],
-                    ..Default::default()
-                },
-                PolicyRule {
-                    api_groups: Some(vec!["".into()]),
-                    resources: Some(vec!["nodes/status".into()]),
-                    verbs: vec!["patch".into(), "update".into()],
-                    ..Default::default()
-                },
-            ]),
-            ..Default::default()
-        },
-    )
-    .await?;
-    apply(
-        &Api::<ClusterRoleBinding>::all(client.clone()),
-        &ClusterRoleBinding {
-            metadata: ObjectMeta {
-                name: Some("metalboot-lab-kubelet".into()),
-                ..Default::default()
-            },
-            role_ref: RoleRef {
-                api_group: Some("rbac.authorization.k8s.io".into()),
-                kind: "ClusterRole".into(),
-                name: "metalboot-lab-kubelet".into(),
-            },
-            subjects: Some(vec![Subject {
-                kind: "ServiceAccount".into(),
-                name: "lab-kubelet".into(),
-                namespace: Some(NAMESPACE.into()),
-                ..Default::default()
-            }]),
-        },
-    )
-    .await?;
-    let token = sa
-        .create_token_request(
-            "lab-kubelet",
-            &Default::default(),
-            &TokenRequest {
-                spec: Some(TokenRequestSpec {
-                    expiration_seconds: Some(48 * 3600),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-        )
-        .await?
-        .status
-        .and_then(|s| s.token)
-        .ok_or_else(|| {
-            LabError::Setup("the apiserver issued no token for the lab kubelet".into())
-        })?;
-    let kubelet_env = format!("APISERVER=http://{host_side_ip}:{relay_port}\nTOKEN={token}\n");
-    apply(
-        &secrets,
-        &secret(
-            "lab-kubelet",
-            None,
-            vec![("kubelet.env", kubelet_env.into_bytes())],
-        ),
-    )
-    .await?;
-
-    // The workload cluster is this same apiserver (as upstream's envtest does).
-    let kubeconfig =
-        serde_yaml::to_string(&cp.kubeconfig).map_err(|e| LabError::Setup(e.to_string()))?;
-    apply(
-        &secrets,
-        &secret(
-            "lab-kubeconfig",
-            label(&[(CLUSTER_NAME_LABEL, CLUSTER)]),
-            vec![("value", kubeconfig.into_bytes())],
-        ),
-    )
-    .await?;
-
-    let dynamic = |kind: &str, group: &str, version: &str, plural: &str| {
-        Api::<kube::api::DynamicObject>::namespaced_with(
-            client.clone(),
-            NAMESPACE,
-            &kube::core::ApiResource::from_gvk_with_plural(
-                &kube::core::GroupVersionKind::gvk(group, version, kind),
-                plural,
-            ),
-        )
-    };
-    let apply_json = async |api: &Api<kube::api::DynamicObject>,
-                            value: serde_json::Value|
-           -> Result<(), LabError> {
-        let obj: kube::api::DynamicObject =
-            serde_json::from_value(value).map_err(|e| LabError::Setup(e.to_string()))?;
-        api.patch(
-            &obj.name_any(),
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&obj),
-        )
-        .await?;
-        Ok(())
-    };
-    let hosts_api = dynamic(
-        "MetalHost",
-        "infrastructure.cluster.x-k8s.io",
-        "v1alpha1",
-        "metalhosts",
-    );
-    for i in 0..opts.hosts {
-        apply_json(&hosts_api, json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalHost",
-            "metadata": {"name": format!("lab-host-{i}"), "namespace": NAMESPACE,
-                "labels": {"metalboot.io/role": "worker", "metalboot.io/failure-domain": format!("rack-{}", i % 2)}},
-            "spec": {"bmc": {"address": bmcs[i as usize].0, "credentialsName": bmcs[i as usize].1},
-                "bootMACAddress": mac_of(i), "online": true,
-                "bootMode": if firmware_of(i, mode).uefi() { "UEFI" } else { "Legacy" },
-                "description": format!("QEMU lab host {i}")},
-        })).await?;
-    }
-    apply_json(&dynamic("Cluster", "cluster.x-k8s.io", "v1beta2", "clusters"), json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-        "metadata": {"name": CLUSTER, "namespace": NAMESPACE},
-        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalCluster", "name": CLUSTER}},
-    })).await?;
-    apply_json(&dynamic("MetalCluster", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalclusters"), json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalCluster",
-        "metadata": {"name": CLUSTER, "namespace": NAMESPACE, "labels": {CLUSTER_NAME_LABEL: CLUSTER}},
-        "spec": {"controlPlaneEndpoint": {"host": host_side_ip, "port": api_port.parse::<i32>().unwrap_or(6443)}},
-    })).await?;
-    for i in 0..opts.hosts {
-        let name = format!("lab-{i}");
-        apply_json(
-            &dynamic(
-                "CloudInitConfig",
-                "bootstrap.cluster.x-k8s.io",
-                "v1alpha1",
-                "cloudinitconfigs",
-            ),
-            json!({
-                "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1", "kind": "CloudInitConfig",
-                "metadata": {"name": name, "namespace": NAMESPACE},
-                "spec": {
-                    "files": [{"path": "/etc/metalboot/kubelet.env", "permissions": "0600",
-                        "contentFrom": {"secret": {"name": "lab-kubelet", "key": "kubelet.env"}}}],
-                    "commands": [format!("echo 'metalboot lab: bootstrapping {name}'")],
-                },
-            }),
-        )
-        .await?;
-        apply_json(&dynamic("MetalMachine", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalmachines"), json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"hostSelector": {"matchLabels": {"metalboot.io/role": "worker"}},
-                "boot": {"kernel": "vmlinuz", "initrds": ["initrd.gz"], "cmdline": "console=ttyS0 panic=10"},
-                "bootTimeoutSeconds": opts.boot_timeout_seconds, "bootRetries": 1},
-        })).await?;
-        // The first Machine is the control plane's: upstream core initialises the cluster (and
-        // starts watching its Nodes) once a control-plane Machine has a Node.
-        let labels = if i == 0 {
-            json!({CLUSTER_NAME_LABEL: CLUSTER, "cluster.x-k8s.io/control-plane": ""})
-        } else {
-            json!({CLUSTER_NAME_LABEL: CLUSTER})
-        };
-        apply_json(&dynamic("Machine", "cluster.x-k8s.io", "v1beta2", "machines"), json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
-            "spec": {"clusterName": CLUSTER, "version": "v1.36.3",
-                "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "CloudInitConfig", "name": name}},
-                "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachine", "name": name}},
-        })).await?;
-    }
     Ok(())
 }
 
@@ -894,6 +677,28 @@ pub async fn rows(dir: &Path) -> Result<(LabState, Vec<Row>), LabError> {
         })
         .collect();
     Ok((state, rows))
+}
+
+/// One line for a big (simulated) lab: hosts by state, Machines by phase.
+pub fn render_summary(rows: &[Row]) -> String {
+    let mut hosts: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut phases: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in rows {
+        *hosts.entry(r.host_state.as_str()).or_default() += 1;
+        *phases.entry(r.phase.as_str()).or_default() += 1;
+    }
+    let list = |m: &BTreeMap<&str, usize>| {
+        m.iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "{} hosts: {}; Machines: {}",
+        rows.len(),
+        list(&hosts),
+        list(&phases)
+    )
 }
 
 pub fn render_table(rows: &[Row], elapsed: Option<Duration>) -> String {
@@ -1037,6 +842,22 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
             NetworkMode::User => "user",
         },
     ])
+    .args(opts.simulated.iter().flat_map(|sim| {
+        [
+            "--simulated-hosts".to_string(),
+            sim.hosts.to_string(),
+            "--fleet-boot-delay-ms".into(),
+            sim.boot_delay.as_millis().to_string(),
+            "--fleet-os-delay-ms".into(),
+            sim.os_delay.as_millis().to_string(),
+            "--fleet-no-callback".into(),
+            sim.faults.no_callback.to_string(),
+            "--fleet-bmc-errors".into(),
+            sim.faults.bmc_errors.to_string(),
+            "--fleet-slow-bmc".into(),
+            sim.faults.slow_bmc.to_string(),
+        ]
+    }))
     .arg("--dir")
     .arg(&opts.dir)
     .stdin(std::process::Stdio::null())
@@ -1068,15 +889,26 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
             )));
         }
         if let Ok((state, rows)) = rows(&opts.dir).await {
-            let table = render_table(&rows, None);
+            let table = if rows.len() > 20 {
+                render_summary(&rows)
+            } else {
+                render_table(&rows, None)
+            };
             if table != last || tty {
                 if tty {
                     print!("\x1b[2J\x1b[H");
                 }
-                print!("{}", render_table(&rows, Some(started.elapsed())));
+                if rows.len() > 20 {
+                    println!("{:.0}s: {table}", started.elapsed().as_secs_f64());
+                } else {
+                    print!("{}", render_table(&rows, Some(started.elapsed())));
+                }
                 last = table;
             }
-            if rows.len() == opts.hosts as usize && rows.iter().all(|r| r.phase == "Running") {
+            let total = opts.simulated.as_ref().map_or(opts.hosts, |s| s.hosts) as usize;
+            let settled =
+                |r: &Row| r.phase == "Running" || (opts.simulated.is_some() && r.phase == "Failed");
+            if rows.len() == total && rows.iter().all(settled) {
                 // The daemon records Running on its next one-second tick; give it a few.
                 let mut timings: BTreeMap<String, Timeline> = BTreeMap::new();
                 for _ in 0..5 {

@@ -17,10 +17,87 @@ use serde_json::{Value, json};
 
 use crate::api::metalhost::PowerState;
 
+use super::fleet::{PowerAction, SimHost};
 use super::qemu::{BootOverride, QemuHost};
 
+/// One system behind the virtual BMC: a QEMU lab host, or a simulated host of the fleet
+/// (`lab up --simulated-hosts`), which behaves like a host without running one.
+#[derive(Clone)]
+pub enum LabSystem {
+    Qemu(Arc<QemuHost>),
+    Simulated(Arc<SimHost>),
+}
+
+impl LabSystem {
+    pub fn name(&self) -> &str {
+        match self {
+            LabSystem::Qemu(h) => &h.spec.name,
+            LabSystem::Simulated(h) => &h.name,
+        }
+    }
+
+    fn uuid(&self) -> &str {
+        match self {
+            LabSystem::Qemu(h) => &h.spec.uuid,
+            LabSystem::Simulated(h) => &h.uuid,
+        }
+    }
+
+    fn mac(&self) -> &str {
+        match self {
+            LabSystem::Qemu(h) => &h.spec.mac,
+            LabSystem::Simulated(h) => &h.mac,
+        }
+    }
+
+    fn model(&self) -> &'static str {
+        match self {
+            LabSystem::Qemu(_) => "QEMU pc (virtual BMC)",
+            LabSystem::Simulated(_) => "simulated host (metalboot fleet)",
+        }
+    }
+
+    async fn power_state(&self) -> PowerState {
+        match self {
+            LabSystem::Qemu(h) => h.power_state().await,
+            LabSystem::Simulated(h) => h.power_state(),
+        }
+    }
+
+    async fn boot_override(&self) -> BootOverride {
+        match self {
+            LabSystem::Qemu(h) => h.boot_override().await,
+            LabSystem::Simulated(h) => h.boot_override(),
+        }
+    }
+
+    async fn set_boot_override(&self, boot: BootOverride) {
+        match self {
+            LabSystem::Qemu(h) => h.set_boot_override(boot).await,
+            LabSystem::Simulated(h) => h.set_boot_override(boot),
+        }
+    }
+
+    async fn act(&self, action: PowerAction) -> Result<(), String> {
+        match self {
+            LabSystem::Qemu(h) => match action {
+                PowerAction::On => h.power_on().await,
+                PowerAction::ForceOff => h.force_off().await,
+                PowerAction::GracefulShutdown => h.graceful_off().await,
+                PowerAction::ForceRestart => h.reset().await,
+                PowerAction::PowerCycle => h.power_cycle().await,
+            }
+            .map_err(|e| e.to_string()),
+            LabSystem::Simulated(h) => {
+                h.act(action);
+                Ok(())
+            }
+        }
+    }
+}
+
 pub struct VirtualBmc {
-    pub systems: BTreeMap<String, Arc<QemuHost>>,
+    pub systems: BTreeMap<String, LabSystem>,
     username: String,
     password: String,
     sessions: Mutex<HashMap<String, String>>,
@@ -28,10 +105,18 @@ pub struct VirtualBmc {
 
 impl VirtualBmc {
     pub fn new(hosts: Vec<Arc<QemuHost>>, username: String, password: String) -> Self {
+        Self::with_systems(
+            hosts.into_iter().map(LabSystem::Qemu).collect(),
+            username,
+            password,
+        )
+    }
+
+    pub fn with_systems(systems: Vec<LabSystem>, username: String, password: String) -> Self {
         VirtualBmc {
-            systems: hosts
+            systems: systems
                 .into_iter()
-                .map(|h| (h.spec.name.clone(), h))
+                .map(|s| (s.name().to_string(), s))
                 .collect(),
             username,
             password,
@@ -94,7 +179,11 @@ pub fn router(bmc: Arc<VirtualBmc>) -> Router {
             "/redfish/v1/Systems/{id}/EthernetInterfaces/{nic}",
             get(nic),
         )
-        .layer(middleware::from_fn_with_state(bmc.clone(), require_auth));
+        .layer(middleware::from_fn_with_state(bmc.clone(), require_auth))
+        .layer(middleware::from_fn_with_state(
+            bmc.clone(),
+            simulated_faults,
+        ));
     Router::new()
         .route("/redfish/v1", get(root))
         .route("/redfish/v1/", get(root))
@@ -121,6 +210,35 @@ async fn require_auth(
         );
         r
     }
+}
+
+/// Requests for a simulated system are counted, and its fault applied (a slow or failing BMC),
+/// before anything else: a real BMC that is slow is slow for the login too.
+async fn simulated_faults(
+    State(bmc): State<Arc<VirtualBmc>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let id = request
+        .uri()
+        .path()
+        .strip_prefix("/redfish/v1/Systems/")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default();
+    let Some(LabSystem::Simulated(sim)) = bmc.systems.get(id).cloned() else {
+        return next.run(request).await;
+    };
+    let _in_flight = sim.bmc_request();
+    if let Some(delay) = sim.bmc_delay() {
+        tokio::time::sleep(delay).await;
+    }
+    if sim.bmc_fails() {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated BMC failure (fleet fault)",
+        );
+    }
+    next.run(request).await
 }
 
 async fn root() -> Response {
@@ -232,7 +350,7 @@ async fn systems(State(bmc): State<Arc<VirtualBmc>>) -> Response {
     axum::Json(json!({"@odata.id": "/redfish/v1/Systems", "Members@odata.count": members.len(), "Members": members})).into_response()
 }
 
-fn host(bmc: &VirtualBmc, id: &str) -> Option<Arc<QemuHost>> {
+fn host(bmc: &VirtualBmc, id: &str) -> Option<LabSystem> {
     bmc.systems.get(id).cloned()
 }
 
@@ -269,9 +387,9 @@ async fn system(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> R
         "Id": id,
         "Name": id,
         "Manufacturer": "metalboot lab",
-        "Model": "QEMU pc (virtual BMC)",
-        "SerialNumber": format!("LAB-{}", h.spec.uuid.split('-').next().unwrap_or_default()),
-        "UUID": h.spec.uuid,
+        "Model": h.model(),
+        "SerialNumber": format!("LAB-{}", h.uuid().rsplit('-').next().unwrap_or_default()),
+        "UUID": h.uuid(),
         "BiosVersion": "SeaBIOS (QEMU)",
         "PowerState": power,
         "Boot": {
@@ -355,12 +473,12 @@ async fn reset(
                 .map(str::to_string)
         })
         .unwrap_or_default();
-    let result = match reset_type.as_str() {
-        "On" => h.power_on().await,
-        "ForceOff" => h.force_off().await,
-        "GracefulShutdown" => h.graceful_off().await,
-        "ForceRestart" => h.reset().await,
-        "PowerCycle" => h.power_cycle().await,
+    let action = match reset_type.as_str() {
+        "On" => PowerAction::On,
+        "ForceOff" => PowerAction::ForceOff,
+        "GracefulShutdown" => PowerAction::GracefulShutdown,
+        "ForceRestart" => PowerAction::ForceRestart,
+        "PowerCycle" => PowerAction::PowerCycle,
         other => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -368,9 +486,9 @@ async fn reset(
             );
         }
     };
-    match result {
+    match h.act(action).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e),
     }
 }
 
@@ -391,5 +509,5 @@ async fn nic(
     if nic != "nic0" {
         return error(StatusCode::NOT_FOUND, &format!("no interface {nic}"));
     }
-    axum::Json(json!({"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0"), "Id": "nic0", "MACAddress": h.spec.mac})).into_response()
+    axum::Json(json!({"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0"), "Id": "nic0", "MACAddress": h.mac()})).into_response()
 }

@@ -254,12 +254,8 @@ async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Reconcile
 }
 
 fn error_policy(m: Arc<Machine>, error: &ReconcileError, ctx: Arc<MachineContext>) -> Action {
-    if let Some(after) = error.requeue_after() {
-        return Action::requeue(after);
-    }
-    let delay = ctx.backoff.next(&key(m.as_ref()));
-    tracing::warn!(machine = %key(m.as_ref()), error = %error, retry_in = ?delay, "Machine reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("Machine", &key(m.as_ref()), error)
 }
 
 /// Watches Machines, the kinds they own that metalboot serves, their Clusters (shared stream)

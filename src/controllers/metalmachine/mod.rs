@@ -200,9 +200,8 @@ async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, Rec
 }
 
 fn error_policy(mm: Arc<MetalMachine>, error: &ReconcileError, ctx: Arc<MachineContext>) -> Action {
-    let delay = ctx.backoff.next(&super::key(mm.as_ref()));
-    tracing::warn!(machine = %super::key(mm.as_ref()), error = %error, retry_in = ?delay, "MetalMachine reconcile failed");
-    Action::requeue(delay)
+    ctx.backoff
+        .after_failure("MetalMachine", &super::key(mm.as_ref()), error)
 }
 
 /// The controller over the shared streams: MetalMachines, and what wakes them — their boot
