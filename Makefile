@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench
+.PHONY: all deps control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench bench-scale
 
 all: test
 
@@ -44,6 +44,10 @@ lab-down:
 ## bench: boot-storm benchmark against nginx (not part of make test)
 bench:
 	hack/bench-boot.sh
+
+## bench-scale: N = 100, 1000, 10000 simulated hosts and Machines on one manager (SCALE_N=… to choose)
+bench-scale:
+	hack/bench-scale.sh
 
 ## crds: regenerate crds/ from the Rust types
 crds:

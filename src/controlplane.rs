@@ -317,6 +317,11 @@ impl ControlPlane {
     }
 
     /// Stops the processes this handle owns and waits for them to exit.
+    /// The processes' ids (etcd, then kube-apiserver), for benchmarks that measure them.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|c| c.id()).collect()
+    }
+
     pub fn stop(mut self) {
         self.stop_children();
     }

@@ -127,6 +127,8 @@ struct SimState {
     /// Bumped by every power change; a boot in flight stops when it no longer matches.
     generation: u64,
     called_back: bool,
+    /// When the last callback was accepted.
+    callback_at: Option<std::time::Instant>,
 }
 
 pub struct SimHost {
@@ -161,6 +163,11 @@ impl SimHost {
         } else {
             PowerState::Off
         }
+    }
+
+    /// When this host's last accepted callback happened.
+    pub fn callback_at(&self) -> Option<std::time::Instant> {
+        self.lock().callback_at
     }
 
     pub fn boot_override(&self) -> BootOverride {
@@ -337,7 +344,10 @@ impl SimHost {
             let r = self.shared.http.post(&callback).json(&body).send().await;
             match r {
                 Ok(r) if r.status().is_success() => {
-                    self.lock().called_back = true;
+                    let mut st = self.lock();
+                    st.called_back = true;
+                    st.callback_at = Some(std::time::Instant::now());
+                    drop(st);
                     self.shared
                         .counters
                         .callbacks

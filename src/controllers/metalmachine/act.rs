@@ -259,6 +259,13 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 && let Some(callback) = &record.callback
                 && let Ok(called) = callback.received_at.parse::<jiff::Timestamp>()
             {
+                crate::metrics::observe_callback_latency(
+                    "ready",
+                    jiff::Timestamp::now()
+                        .duration_since(called)
+                        .as_secs_f64()
+                        .max(0.0),
+                );
                 if let Some(powered) = record.powered_at {
                     crate::metrics::observe_phase(
                         "boot",

@@ -1,0 +1,539 @@
+//! `make bench-scale` (not a test): N simulated hosts and N Machines against a fresh local
+//! apiserver, with `metalboot manager` (release build, standalone controllers) as its own
+//! process so its memory and CPU are its own. The simulated fleet (`lab::fleet`) and the lab's
+//! virtual BMC run in this process. Per N it reports:
+//!
+//! - register: creating N MetalHosts until all are Available;
+//! - provision: creating N Machines until all are Running (fleet boot delay included);
+//! - steady: BMC requests per host per minute once everything is Running;
+//! - release: deleting all Machines until every host is Available again;
+//! - manager peak RSS and CPU seconds, apiserver CPU seconds, apiserver requests by verb per phase;
+//! - callback → MetalMachine ready and → Machine Provisioned, p50/p99, seen through watches;
+//! - power actions at hosts after their accepted callback (must be 0), the most BMC requests
+//!   in flight at one host, and warnings/errors in the manager's log.
+//!
+//! `SCALE_N=100,1000` picks the sizes (default 100,1000,10000); `SCALE_STEADY_SECONDS` the
+//! steady-state window (default 60).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use metalboot::api::capi::Machine;
+use metalboot::api::metalhost::HostState;
+use metalboot::api::{MetalHost, MetalMachine};
+use metalboot::controlplane::{self, ControlPlane, Lifetime};
+use metalboot::lab::fleet::{FaultShares, Fleet, FleetOptions};
+use metalboot::lab::objects::LabObjects;
+use metalboot::lab::vbmc::{VirtualBmc, router};
+
+const NAMESPACE: &str = "bench";
+
+type Verbs = BTreeMap<String, f64>;
+
+/// `apiserver_request_total` summed by verb.
+async fn apiserver_requests(client: &kube::Client) -> Verbs {
+    let req = match http::Request::get("/metrics").body(Vec::new()) {
+        Ok(r) => r,
+        Err(_) => return Verbs::new(),
+    };
+    let text = client.request_text(req).await.unwrap_or_default();
+    let mut verbs = Verbs::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let verb = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("verb=\""))
+            .map(|v| v.trim_end_matches('"').to_string())
+            .unwrap_or_default();
+        *verbs.entry(verb).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    verbs
+}
+
+fn delta(after: &Verbs, before: &Verbs) -> String {
+    after
+        .iter()
+        .map(|(verb, v)| (verb, v - before.get(verb).copied().unwrap_or(0.0)))
+        .filter(|(_, d)| *d >= 1.0)
+        .map(|(verb, d)| format!("{verb} {d:.0}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command (which may hold spaces): utime and stime are the 12th and 13th.
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+fn status_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(18080)
+}
+
+fn manager_binary() -> PathBuf {
+    let root = controlplane::project_dir();
+    std::env::var_os("METALBOOT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/release/metalboot"))
+}
+
+struct Manager(Child);
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> Option<String>) -> f64 {
+    let started = Instant::now();
+    let mut last_note = Instant::now();
+    loop {
+        match done() {
+            None => return started.elapsed().as_secs_f64(),
+            Some(progress) => {
+                if started.elapsed() > limit {
+                    eprintln!("  {what}: gave up after {limit:?} ({progress})");
+                    return f64::NAN;
+                }
+                if last_note.elapsed() > Duration::from_secs(15) {
+                    eprintln!(
+                        "  {what}: {progress} after {:.0}s",
+                        started.elapsed().as_secs_f64()
+                    );
+                    last_note = Instant::now();
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[derive(Default)]
+struct Row {
+    n: u32,
+    register: f64,
+    provision: f64,
+    release: f64,
+    rss_mb: f64,
+    manager_cpu: f64,
+    apiserver_cpu: f64,
+    bmc_per_host_minute: f64,
+    ready_p50_ms: f64,
+    ready_p99_ms: f64,
+    provisioned_p50_ms: f64,
+    provisioned_p99_ms: f64,
+    resets_after_callback: u64,
+    max_in_flight: u32,
+    log_problems: usize,
+}
+
+async fn run(n: u32, steady: Duration) -> Result<Row, String> {
+    let dir = controlplane::project_dir()
+        .join("target/bench-scale")
+        .join(format!("n{n}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let cp = ControlPlane::start(&controlplane::Options {
+        bin_dir: controlplane::default_bin_dir(),
+        data_dir: dir.join("control-plane"),
+        lifetime: Lifetime::TiedToThisProcess,
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let apiserver_pid = cp.pids().last().copied().unwrap_or(0);
+    let client = cp.client().await.map_err(|e| e.to_string())?;
+    metalboot::api::crdgen::install(&client)
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let relay_url = format!("http://{}", relay.local_addr().map_err(|e| e.to_string())?);
+    let (upstream, ca) = (cp.server.clone(), cp.ca_pem.clone());
+    tokio::spawn(async move { metalboot::lab::relay::serve(relay, upstream, &ca).await });
+
+    let boot_port = free_port();
+    let boot_url = format!("http://127.0.0.1:{boot_port}");
+    let fleet = Arc::new(
+        Fleet::new(FleetOptions {
+            hosts: n,
+            boot_url: boot_url.clone(),
+            boot_delay: Duration::from_secs(5),
+            os_delay: Duration::from_secs(2),
+            faults: FaultShares::default(),
+            concurrent_boots: 256,
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    let password = "bench-bmc-password";
+    let bmc = Arc::new(VirtualBmc::with_systems(
+        fleet.systems(),
+        "admin".into(),
+        password.into(),
+    ));
+    let bmc_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let bmc_url = format!(
+        "redfish+http://{}",
+        bmc_listener.local_addr().map_err(|e| e.to_string())?
+    );
+    tokio::spawn(async move { axum::serve(bmc_listener, router(bmc)).await });
+
+    let objects = Arc::new(LabObjects {
+        client: client.clone(),
+        namespace: NAMESPACE.into(),
+        endpoint: ("127.0.0.1".into(), 6443),
+        kubeconfig: serde_yaml::to_string(&cp.kubeconfig).map_err(|e| e.to_string())?,
+        kubelet_apiserver: relay_url,
+        boot_timeout_seconds: 600,
+    });
+    objects
+        .base(&[("lab-bmc", password)])
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let log_path = dir.join("manager.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+    let manager = Manager(
+        Command::new(manager_binary())
+            .args(["manager", "--kubeconfig"])
+            .arg(&cp.kubeconfig_path)
+            .args(["--namespace", NAMESPACE, "--standalone", "true"])
+            .args(["--boot-http-bind", &format!("127.0.0.1:{boot_port}")])
+            .args(["--advertise-url", &boot_url, "--no-tftp", "--dhcp", "off"])
+            .args(["--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", manager_binary().display()))?,
+    );
+    let manager_pid = manager.0.id();
+
+    // Watches, as the manager has them: what the benchmark sees costs one watch per kind.
+    let (hosts, hosts_writer) = reflector::store::<MetalHost>();
+    let (machines, machines_writer) = reflector::store::<Machine>();
+    let (mms, mms_writer) = reflector::store::<MetalMachine>();
+    let seen: Arc<Mutex<BTreeMap<String, (Option<Instant>, Option<Instant>)>>> =
+        Arc::default();
+    tokio::spawn(
+        watcher(Api::<MetalHost>::namespaced(client.clone(), NAMESPACE), Default::default())
+            .default_backoff()
+            .reflect(hosts_writer)
+            .for_each(|_| async {}),
+    );
+    {
+        let seen = seen.clone();
+        tokio::spawn(
+            watcher(Api::<Machine>::namespaced(client.clone(), NAMESPACE), Default::default())
+                .default_backoff()
+                .reflect(machines_writer)
+                .applied_objects()
+                .for_each(move |m| {
+                    if let Ok(m) = m {
+                        let phase = m.status.as_ref().and_then(|s| s.phase.as_deref());
+                        if matches!(phase, Some("Provisioned" | "Running"))
+                            && let Ok(mut seen) = seen.lock()
+                        {
+                            seen.entry(m.name_any()).or_default().1.get_or_insert(Instant::now());
+                        }
+                    }
+                    async {}
+                }),
+        );
+    }
+    {
+        let seen = seen.clone();
+        tokio::spawn(
+            watcher(
+                Api::<MetalMachine>::namespaced(client.clone(), NAMESPACE),
+                Default::default(),
+            )
+            .default_backoff()
+            .reflect(mms_writer)
+            .applied_objects()
+            .for_each(move |mm| {
+                if let Ok(mm) = mm {
+                    let ready = mm.status.as_ref().is_some_and(|s| s.ready);
+                    if ready && let Ok(mut seen) = seen.lock() {
+                        seen.entry(mm.name_any()).or_default().0.get_or_insert(Instant::now());
+                    }
+                }
+                async {}
+            }),
+        );
+    }
+
+    let mut row = Row {
+        n,
+        ..Default::default()
+    };
+    let cpu = || (cpu_seconds(manager_pid), cpu_seconds(apiserver_pid));
+    let cpu0 = cpu();
+
+    // Register.
+    let before = apiserver_requests(&client).await;
+    let started = Instant::now();
+    futures::stream::iter(fleet.hosts.clone())
+        .map(|h| {
+            let objects = objects.clone();
+            let address = format!("{bmc_url}/redfish/v1/Systems/{}", h.name);
+            async move {
+                objects
+                    .host(h.index, (&address, "lab-bmc"), false, "simulated host")
+                    .await
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .map_err(|e| e.to_string())?;
+    let created = started.elapsed().as_secs_f64();
+    let available = |hosts: &reflector::Store<MetalHost>| {
+        hosts
+            .state()
+            .iter()
+            .filter(|h| h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available))
+            .count()
+    };
+    let rest = wait_until("register", Duration::from_secs(900), || {
+        let a = available(&hosts);
+        (a < n as usize).then(|| format!("{a}/{n} Available"))
+    })
+    .await;
+    row.register = created + rest;
+    let after = apiserver_requests(&client).await;
+    println!(
+        "N={n} register: {:.1}s (objects created in {created:.1}s); apiserver: {}",
+        row.register,
+        delta(&after, &before)
+    );
+
+    // Provision.
+    let before = after;
+    let started = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let objects = objects.clone();
+            async move { objects.machine(i).await }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .map_err(|e| e.to_string())?;
+    let created = started.elapsed().as_secs_f64();
+    let rest = wait_until("provision", Duration::from_secs(1800), || {
+        let running = machines
+            .state()
+            .iter()
+            .filter(|m| m.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .count();
+        (running < n as usize).then(|| {
+            format!(
+                "{running}/{n} Running, fleet {:?}",
+                (fleet.stats().callbacks, fleet.stats().network_boots)
+            )
+        })
+    })
+    .await;
+    row.provision = created + rest;
+    let after = apiserver_requests(&client).await;
+    println!(
+        "N={n} provision: {:.1}s (objects created in {created:.1}s); apiserver: {}",
+        row.provision,
+        delta(&after, &before)
+    );
+
+    // Latencies: callback (fleet) → MetalMachine ready / Machine Provisioned (watches).
+    let host_of: BTreeMap<String, String> = mms
+        .state()
+        .iter()
+        .filter_map(|mm| Some((mm.name_any(), mm.status.as_ref()?.host_ref.as_ref()?.name.clone())))
+        .collect();
+    let by_name: BTreeMap<&str, _> = fleet.hosts.iter().map(|h| (h.name.as_str(), h)).collect();
+    let (mut ready_ms, mut provisioned_ms) = (Vec::new(), Vec::new());
+    if let Ok(seen) = seen.lock() {
+        for (machine, (ready, provisioned)) in seen.iter() {
+            let Some(called) = host_of
+                .get(machine)
+                .and_then(|h| by_name.get(h.as_str()))
+                .and_then(|h| h.callback_at())
+            else {
+                continue;
+            };
+            let ms = |t: &Option<Instant>| {
+                t.map(|t| t.saturating_duration_since(called).as_secs_f64() * 1000.0)
+            };
+            ready_ms.extend(ms(ready));
+            provisioned_ms.extend(ms(provisioned));
+        }
+    }
+    row.ready_p50_ms = percentile(ready_ms.clone(), 0.5);
+    row.ready_p99_ms = percentile(ready_ms, 0.99);
+    row.provisioned_p50_ms = percentile(provisioned_ms.clone(), 0.5);
+    row.provisioned_p99_ms = percentile(provisioned_ms, 0.99);
+
+    // Steady state.
+    let before_bmc = fleet.stats().bmc_requests;
+    let before = apiserver_requests(&client).await;
+    tokio::time::sleep(steady).await;
+    let after = apiserver_requests(&client).await;
+    let bmc = fleet.stats().bmc_requests - before_bmc;
+    row.bmc_per_host_minute = bmc as f64 / f64::from(n) / (steady.as_secs_f64() / 60.0);
+    let stats = fleet.stats();
+    row.resets_after_callback = stats.actions_after_callback;
+    row.max_in_flight = stats.bmc_max_in_flight;
+    println!(
+        "N={n} steady ({}s): {bmc} BMC requests ({:.3}/host/min); apiserver: {}; fleet {stats:?}; manager fds {}",
+        steady.as_secs(),
+        row.bmc_per_host_minute,
+        delta(&after, &before),
+        open_fds(manager_pid)
+    );
+
+    // Release.
+    fleet.releasing(true);
+    let before = after;
+    let api: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
+    api.delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    row.release = wait_until("release", Duration::from_secs(1800), || {
+        let left = machines.state().len();
+        let a = available(&hosts);
+        let off = fleet.stats().powered_on;
+        (left > 0 || a < n as usize || off > 0)
+            .then(|| format!("{left} Machines left, {a}/{n} Available, {off} on"))
+    })
+    .await;
+    let after = apiserver_requests(&client).await;
+    println!(
+        "N={n} release: {:.1}s; apiserver: {}",
+        row.release,
+        delta(&after, &before)
+    );
+
+    let cpu1 = cpu();
+    row.manager_cpu = cpu1.0 - cpu0.0;
+    row.apiserver_cpu = cpu1.1 - cpu0.1;
+    row.rss_mb = status_kib(manager_pid, "VmHWM:") as f64 / 1024.0;
+    drop(manager);
+    row.log_problems = count_problems(&log_path);
+    cp.stop();
+    Ok(row)
+}
+
+fn count_problems(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .count()
+}
+
+fn main() {
+    let sizes: Vec<u32> = std::env::var("SCALE_N")
+        .unwrap_or_else(|_| "100,1000,10000".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let steady = Duration::from_secs(
+        std::env::var("SCALE_STEADY_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(60),
+    );
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut rows = Vec::new();
+    for n in sizes {
+        match rt.block_on(run(n, steady)) {
+            Ok(row) => rows.push(row),
+            Err(e) => {
+                eprintln!("N={n}: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    println!(
+        "\n| N | register | all Running | delete → all Available | manager peak RSS | manager CPU | apiserver CPU | BMC req/host/min (steady) | callback→ready p50/p99 | callback→Provisioned p50/p99 | resets after callback | max BMC requests in flight per host | WARN/ERROR lines |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
+            r.n,
+            r.register,
+            r.provision,
+            r.release,
+            r.rss_mb,
+            r.manager_cpu,
+            r.apiserver_cpu,
+            r.bmc_per_host_minute,
+            r.ready_p50_ms,
+            r.ready_p99_ms,
+            r.provisioned_p50_ms,
+            r.provisioned_p99_ms,
+            r.resets_after_callback,
+            r.max_in_flight,
+            r.log_problems
+        );
+    }
+}
