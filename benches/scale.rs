@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::HostState;
@@ -262,32 +262,40 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     let (hosts, hosts_writer) = reflector::store::<MetalHost>();
     let (machines, machines_writer) = reflector::store::<Machine>();
     let (mms, mms_writer) = reflector::store::<MetalMachine>();
-    let seen: Arc<Mutex<BTreeMap<String, (Option<Instant>, Option<Instant>)>>> =
-        Arc::default();
+    let seen: Arc<Mutex<BTreeMap<String, (Option<Instant>, Option<Instant>)>>> = Arc::default();
     tokio::spawn(
-        watcher(Api::<MetalHost>::namespaced(client.clone(), NAMESPACE), Default::default())
-            .default_backoff()
-            .reflect(hosts_writer)
-            .for_each(|_| async {}),
+        watcher(
+            Api::<MetalHost>::namespaced(client.clone(), NAMESPACE),
+            Default::default(),
+        )
+        .default_backoff()
+        .reflect(hosts_writer)
+        .for_each(|_| async {}),
     );
     {
         let seen = seen.clone();
         tokio::spawn(
-            watcher(Api::<Machine>::namespaced(client.clone(), NAMESPACE), Default::default())
-                .default_backoff()
-                .reflect(machines_writer)
-                .applied_objects()
-                .for_each(move |m| {
-                    if let Ok(m) = m {
-                        let phase = m.status.as_ref().and_then(|s| s.phase.as_deref());
-                        if matches!(phase, Some("Provisioned" | "Running"))
-                            && let Ok(mut seen) = seen.lock()
-                        {
-                            seen.entry(m.name_any()).or_default().1.get_or_insert(Instant::now());
-                        }
+            watcher(
+                Api::<Machine>::namespaced(client.clone(), NAMESPACE),
+                Default::default(),
+            )
+            .default_backoff()
+            .reflect(machines_writer)
+            .applied_objects()
+            .for_each(move |m| {
+                if let Ok(m) = m {
+                    let phase = m.status.as_ref().and_then(|s| s.phase.as_deref());
+                    if matches!(phase, Some("Provisioned" | "Running"))
+                        && let Ok(mut seen) = seen.lock()
+                    {
+                        seen.entry(m.name_any())
+                            .or_default()
+                            .1
+                            .get_or_insert(Instant::now());
                     }
-                    async {}
-                }),
+                }
+                async {}
+            }),
         );
     }
     {
@@ -304,7 +312,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
                 if let Ok(mm) = mm {
                     let ready = mm.status.as_ref().is_some_and(|s| s.ready);
                     if ready && let Ok(mut seen) = seen.lock() {
-                        seen.entry(mm.name_any()).or_default().0.get_or_insert(Instant::now());
+                        seen.entry(mm.name_any())
+                            .or_default()
+                            .0
+                            .get_or_insert(Instant::now());
                     }
                 }
                 async {}
@@ -396,7 +407,12 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     let host_of: BTreeMap<String, String> = mms
         .state()
         .iter()
-        .filter_map(|mm| Some((mm.name_any(), mm.status.as_ref()?.host_ref.as_ref()?.name.clone())))
+        .filter_map(|mm| {
+            Some((
+                mm.name_any(),
+                mm.status.as_ref()?.host_ref.as_ref()?.name.clone(),
+            ))
+        })
         .collect();
     let by_name: BTreeMap<&str, _> = fleet.hosts.iter().map(|h| (h.name.as_str(), h)).collect();
     let (mut ready_ms, mut provisioned_ms) = (Vec::new(), Vec::new());
@@ -443,9 +459,16 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     fleet.releasing(true);
     let before = after;
     let api: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
-    api.delete_collection(&DeleteParams::default(), &ListParams::default())
+    // One DELETE per Machine, as a MachineSet scaling down sends them.
+    futures::stream::iter(machines.state())
+        .map(|m| {
+            let api = api.clone();
+            async move { api.delete(&m.name_any(), &DeleteParams::default()).await }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<_>>()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| format!("deleting Machines: {e}"))?;
     row.release = wait_until("release", Duration::from_secs(1800), || {
         let left = machines.state().len();
         let a = available(&hosts);

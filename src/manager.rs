@@ -280,11 +280,13 @@ pub async fn start(
                 triggers,
                 namespace: namespace.map(str::to_string),
                 expectations: Default::default(),
+                metal_machines: Some(stores.metal_machines.clone()),
             });
             let controller = machine::controller(
                 client.clone(),
                 namespace,
                 reflectors.clusters.subscribe(),
+                reflectors.metal_machines.subscribe(),
                 wake,
             );
             Some((controller, machine_ctx))

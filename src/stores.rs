@@ -45,7 +45,8 @@ where
     /// Fills the store from `api` until the process ends; watch errors back off and retry.
     pub fn run(self, api: Api<K>, config: watcher::Config) -> Store<K> {
         let store = self.store.clone();
-        let stream = reflector::reflector(self.writer, watcher(api, config)).default_backoff();
+        let stream =
+            reflector::reflector(self.writer, lean(watcher(api, config))).default_backoff();
         tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
@@ -67,13 +68,24 @@ where
     }
 }
 
+/// Drops `managedFields` before objects are stored: nothing here reads them, and at thousands of
+/// objects they are most of the manager's memory.
+fn lean<K: Resource + Send + 'static>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send {
+    use kube::runtime::WatchStreamExt;
+    events.modify(|o| {
+        o.meta_mut().managed_fields = None;
+    })
+}
+
 /// A store nobody subscribes to (read-only users such as the boot service in tests).
 pub fn watch_store<K>(api: Api<K>, config: watcher::Config) -> Store<K>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
 {
     let (store, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+    let stream = reflector::reflector(writer, lean(watcher(api, config))).default_backoff();
     tokio::spawn(async move {
         futures::pin_mut!(stream);
         while let Some(event) = stream.next().await {

@@ -177,6 +177,36 @@ pub struct MachineContext {
     /// Read-your-writes: a pass never decides from a Machine older than its own last write
     /// (a referenced object's watch can wake it before the Machine's own watch catches up).
     pub expectations: super::expectations::Expectations,
+    /// The manager's shared MetalMachine store: a Machine's MetalMachine is read from it instead
+    /// of a GET per pass. The controller is woken by that same shared stream (see
+    /// `controller`), so a pass never sees an older MetalMachine than the change that woke it.
+    pub metal_machines: Option<kube::runtime::reflector::Store<MetalMachine>>,
+}
+
+impl MachineContext {
+    /// A referenced object from the manager's own stores, as the dynamic object a GET returns.
+    /// None when it is not cached (another kind, or not seen yet): the caller then reads it.
+    pub fn cached_reference(
+        &self,
+        r: &crate::api::common::ContractVersionedObjectReference,
+        namespace: &str,
+    ) -> Option<kube::api::DynamicObject> {
+        fn dynamic<K: serde::Serialize>(obj: Option<Arc<K>>) -> Option<kube::api::DynamicObject> {
+            serde_json::to_value(obj?.as_ref())
+                .ok()
+                .and_then(|v| serde_json::from_value(v).ok())
+        }
+        use kube::runtime::reflector::ObjectRef;
+        if r.api_group == MetalMachine::group(&()) && r.kind == MetalMachine::kind(&()) {
+            dynamic(
+                self.metal_machines
+                    .as_ref()?
+                    .get(&ObjectRef::new(&r.name).within(namespace)),
+            )
+        } else {
+            None
+        }
+    }
 }
 
 fn machine_key(m: &Machine) -> String {
@@ -264,6 +294,7 @@ pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     clusters: ReflectHandle<DeserializeGuard<Cluster>>,
+    metal_machines: ReflectHandle<MetalMachine>,
     triggers: impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
 ) -> Controller<Machine> {
     fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
@@ -281,10 +312,16 @@ pub fn controller(
     );
     let machines = controller.store();
     controller
-        .owns(
-            api::<MetalMachine>(&client, namespace),
-            watcher::Config::default(),
-        )
+        // The shared stream, not a watch of its own: the store `observe` reads is updated
+        // before this wakes the Machine.
+        .watches_shared_stream(metal_machines, |mm| {
+            let namespace = mm.namespace().unwrap_or_default();
+            mm.owner_references()
+                .iter()
+                .filter(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+                .map(|o| ObjectRef::new(&o.name).within(&namespace))
+                .collect::<Vec<_>>()
+        })
         .owns(
             api::<CloudInitConfig>(&client, namespace),
             watcher::Config::default(),

@@ -75,12 +75,18 @@ pub async fn referenced(
     let resource = refs::resource_for(&ctx.client, r).await?;
     ctx.triggers
         .watch_kind(&ctx.client, &resource, ctx.namespace.as_deref());
-    let api =
-        kube::api::Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, &resource);
-    let obj = api
+    let obj = match ctx.cached_reference(r, &namespace) {
+        Some(obj) => Some(obj),
+        // Not cached (another provider's kind, or not seen yet): a miss is confirmed by a GET.
+        None => kube::api::Api::<DynamicObject>::namespaced_with(
+            ctx.client.clone(),
+            &namespace,
+            &resource,
+        )
         .get_opt(&r.name)
         .await
-        .map_err(ReconcileError::read(format!("{} {}", r.kind, r.name)))?;
+        .map_err(ReconcileError::read(format!("{} {}", r.kind, r.name)))?,
+    };
     Ok(match obj {
         None => (
             Referenced::NotFound {
