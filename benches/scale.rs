@@ -37,6 +37,9 @@ const NAMESPACE: &str = "bench";
 
 type Verbs = BTreeMap<String, f64>;
 
+/// Per Machine: when its MetalMachine was first seen ready, and the Machine Provisioned/Running.
+type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
+
 /// `apiserver_request_total` summed by verb.
 async fn apiserver_requests(client: &kube::Client) -> Verbs {
     let req = match http::Request::get("/metrics").body(Vec::new()) {
@@ -262,7 +265,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     let (hosts, hosts_writer) = reflector::store::<MetalHost>();
     let (machines, machines_writer) = reflector::store::<Machine>();
     let (mms, mms_writer) = reflector::store::<MetalMachine>();
-    let seen: Arc<Mutex<BTreeMap<String, (Option<Instant>, Option<Instant>)>>> = Arc::default();
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     tokio::spawn(
         watcher(
             Api::<MetalHost>::namespaced(client.clone(), NAMESPACE),
