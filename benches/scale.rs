@@ -531,7 +531,10 @@ fn main() {
     let mut rows = Vec::new();
     for n in sizes {
         match rt.block_on(run(n, steady)) {
-            Ok(row) => rows.push(row),
+            Ok(row) => {
+                println!("{}", markdown(&row));
+                rows.push(row)
+            }
             Err(e) => {
                 eprintln!("N={n}: {e}");
                 std::process::exit(1);
@@ -543,7 +546,13 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
-        println!(
+        println!("{}", markdown(&r));
+    }
+}
+
+fn markdown(r: &Row) -> String {
+    {
+        format!(
             "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
             r.n,
             r.register,
@@ -560,6 +569,6 @@ fn main() {
             r.resets_after_callback,
             r.max_in_flight,
             r.log_problems
-        );
+        )
     }
 }

@@ -135,6 +135,51 @@ pub async fn connect(
         .map_err(|e| Fault::from_bmc(&e))
 }
 
+/// How long a credentials or CA Secret read is reused. Every BMC operation needs the
+/// credentials, and a GET per operation was a third of the apiserver's reads at a thousand
+/// hosts. A changed Secret is forgotten as soon as the MetalHost controller's Secret watch sees
+/// it (`forget_secret`); the time limit is the backstop.
+const SECRET_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+type SecretCache = std::sync::Mutex<
+    std::collections::HashMap<(String, String), (Option<Secret>, std::time::Instant)>,
+>;
+
+fn secret_cache() -> &'static SecretCache {
+    static CACHE: std::sync::OnceLock<SecretCache> = std::sync::OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// The Secret changed (or went): the next BMC operation reads it again.
+pub fn forget_secret(namespace: &str, name: &str) {
+    if let Ok(mut c) = secret_cache().lock() {
+        c.remove(&(namespace.to_string(), name.to_string()));
+    }
+}
+
+/// A Secret, from a read at most `SECRET_TTL` old (a missing one is read again every time).
+async fn secret_cached(
+    secrets: &Api<Secret>,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Secret>, kube::Error> {
+    let cache = secret_cache();
+    let key = (namespace.to_string(), name.to_string());
+    if let Ok(c) = cache.lock()
+        && let Some((Some(secret), at)) = c.get(&key)
+        && at.elapsed() < SECRET_TTL
+    {
+        return Ok(Some(secret.clone()));
+    }
+    let fresh = secrets.get_opt(name).await?;
+    if let Ok(mut c) = cache.lock() {
+        // Bounded by the Secrets hosts name; stale entries are dropped as they are passed.
+        c.retain(|_, (_, at)| at.elapsed() < SECRET_TTL);
+        c.insert(key, (fresh.clone(), std::time::Instant::now()));
+    }
+    Ok(fresh)
+}
+
 /// Reads the host's credentials (and CA) Secrets.
 pub async fn load_target(
     client: &kube::Client,
@@ -143,8 +188,7 @@ pub async fn load_target(
     let namespace = host.namespace().unwrap_or_default();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let name = &host.spec.bmc.credentials_name;
-    let secret = secrets
-        .get_opt(name)
+    let secret = secret_cached(&secrets, &namespace, name)
         .await
         .map_err(|source| TargetError::Read {
             name: name.clone(),
@@ -165,8 +209,7 @@ pub async fn load_target(
     let ca_pem = match &host.spec.bmc.ca_secret_name {
         None => None,
         Some(ca_name) => {
-            let ca = secrets
-                .get_opt(ca_name)
+            let ca = secret_cached(&secrets, &namespace, ca_name)
                 .await
                 .map_err(|source| TargetError::Read {
                     name: ca_name.clone(),

@@ -612,6 +612,10 @@ pub fn controller(
             .touched_objects();
     Controller::for_shared_stream(hosts, stores.hosts.clone())
         .watches_stream(secret_changes, move |secret| {
+            crate::controllers::hostbmc::forget_secret(
+                &secret.namespace().unwrap_or_default(),
+                &secret.name_any(),
+            );
             hosts_using(
                 &store,
                 &secret.namespace().unwrap_or_default(),
