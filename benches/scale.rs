@@ -392,8 +392,11 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
             .count();
         (running < n as usize).then(|| {
             format!(
-                "{running}/{n} Running, fleet {:?}",
-                (fleet.stats().callbacks, fleet.stats().network_boots)
+                "{running}/{n} Running, fleet callbacks/boots/errors {:?}",
+                {
+                    let s = fleet.stats();
+                    (s.callbacks, s.network_boots, s.boot_errors)
+                }
             )
         })
     })

@@ -98,6 +98,17 @@ fn address_of(i: u32) -> String {
     format!("10.128.{}.{}", (i >> 8) & 0xff, i & 0xff)
 }
 
+/// The loopback address host `i` sends from: each host is its own client to the boot service,
+/// as in a rack, so per-client budgets apply per host and not to the whole fleet.
+fn source_of(i: u32) -> std::net::IpAddr {
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(
+        127,
+        1 + ((i >> 16) & 0x3f) as u8,
+        ((i >> 8) & 0xff) as u8,
+        (i & 0xff) as u8,
+    ))
+}
+
 #[derive(Default)]
 struct Counters {
     bmc_requests: AtomicU64,
@@ -113,6 +124,7 @@ struct Counters {
 
 struct Shared {
     opts: FleetOptions,
+    /// For the Node registration (the lab's relay), shared by all hosts.
     http: reqwest::Client,
     boots: tokio::sync::Semaphore,
     counters: Counters,
@@ -271,16 +283,20 @@ impl SimHost {
         }
     }
 
-    async fn get(&self, url: &str) -> Result<String, String> {
-        // Like iPXE and cloud-init: retry while the boot service is starting or busy.
+    async fn get(&self, http: &reqwest::Client, url: &str) -> Result<String, String> {
+        // Like iPXE and cloud-init: retry while the boot service is starting, busy or unreachable.
         for attempt in 0..10u32 {
-            let r = self
-                .shared
-                .http
-                .get(url)
-                .send()
-                .await
-                .map_err(|e| format!("GET {}: {e}", crate::boot::http::redact_path(url)))?;
+            let r = match http.get(url).send().await {
+                Ok(r) => r,
+                Err(e) if attempt < 9 => {
+                    tracing::debug!(host = %self.name, error = %e, "GET failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200 * (1 << attempt.min(5)))).await;
+                    continue;
+                }
+                Err(e) => {
+                    return Err(format!("GET {}: {e}", crate::boot::http::redact_path(url)));
+                }
+            };
             let status = r.status();
             if status.is_success() {
                 return r.text().await.map_err(|e| e.to_string());
@@ -302,8 +318,17 @@ impl SimHost {
 
     async fn boot_chain(&self, generation: u64) -> Result<(), String> {
         let base = &self.shared.opts.boot_url;
+        let http = reqwest::Client::builder()
+            .local_address(source_of(self.index))
+            .timeout(Duration::from_secs(30))
+            .no_proxy()
+            .build()
+            .map_err(|e| format!("HTTP client: {e}"))?;
         let script = self
-            .get(&format!("{base}/ipxe/{}", self.mac.replace(':', "-")))
+            .get(
+                &http,
+                &format!("{base}/ipxe/{}", self.mac.replace(':', "-")),
+            )
             .await?;
         self.shared.counters.scripts.fetch_add(1, Ordering::Relaxed);
         let Some(seed) = script
@@ -313,9 +338,9 @@ impl SimHost {
             // An exit script: the firmware falls through to the disk, which is empty here.
             return Err("no provisioning script".into());
         };
-        let meta = self.get(&format!("{seed}meta-data")).await?;
-        let user = self.get(&format!("{seed}user-data")).await?;
-        let vendor = self.get(&format!("{seed}vendor-data")).await?;
+        let meta = self.get(&http, &format!("{seed}meta-data")).await?;
+        let user = self.get(&http, &format!("{seed}user-data")).await?;
+        let vendor = self.get(&http, &format!("{seed}vendor-data")).await?;
         tokio::time::sleep(self.shared.opts.os_delay).await;
         if !self.current(generation) || self.fault == Fault::NoCallback {
             return Ok(());
@@ -341,7 +366,7 @@ impl SimHost {
             if !self.current(generation) {
                 return Ok(());
             }
-            let r = self.shared.http.post(&callback).json(&body).send().await;
+            let r = http.post(&callback).json(&body).send().await;
             match r {
                 Ok(r) if r.status().is_success() => {
                     let mut st = self.lock();
