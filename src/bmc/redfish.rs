@@ -48,6 +48,66 @@ pub struct RedfishOptions {
     pub max_retry_after: Duration,
 }
 
+/// BMCs with the same trust (extra CA bundle, verification) and connect timeout share one HTTP
+/// client: a client carries its own TLS configuration and root store, and one per BMC was most
+/// of the manager's memory at a thousand hosts. Connections stay per BMC origin inside the pool;
+/// with one request at a time per BMC a real BMC holds at most one, closed after 30 s idle (BMCs
+/// have few connection slots). The idle limit only matters to many systems behind one origin (a
+/// chassis manager, the lab's simulated fleet).
+fn shared_client(address: &str, options: &RedfishOptions) -> Result<reqwest::Client, BmcError> {
+    type Key = (Duration, Option<String>, bool);
+    static CLIENTS: std::sync::OnceLock<std::sync::Mutex<HashMap<Key, reqwest::Client>>> =
+        std::sync::OnceLock::new();
+    let key: Key = (
+        options.timeout,
+        options.ca_pem.clone(),
+        options.disable_certificate_verification,
+    );
+    let clients = CLIENTS.get_or_init(Default::default);
+    if let Ok(c) = clients.lock()
+        && let Some(client) = c.get(&key)
+    {
+        return Ok(client.clone());
+    }
+    let mut builder = reqwest::Client::builder()
+        .use_rustls_tls()
+        .connect_timeout(options.timeout)
+        .pool_max_idle_per_host(64)
+        .pool_idle_timeout(Duration::from_secs(30))
+        .redirect(reqwest::redirect::Policy::none())
+        // Credentials go to the BMC itself, never through a proxy picked up from the
+        // environment (HTTPS_PROXY is for the apiserver).
+        .no_proxy()
+        .user_agent(concat!("metalboot/", env!("CARGO_PKG_VERSION")));
+    if let Some(pem) = &options.ca_pem {
+        let certs =
+            reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(|e| BmcError::Tls {
+                address: address.to_string(),
+                detail: format!("the CA bundle is not valid PEM: {e}"),
+            })?;
+        if certs.is_empty() {
+            return Err(BmcError::Tls {
+                address: address.to_string(),
+                detail: "the CA bundle holds no certificate".to_string(),
+            });
+        }
+        for cert in certs {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    if options.disable_certificate_verification {
+        builder = builder.danger_accept_invalid_certs(true);
+    }
+    let client = builder.build().map_err(|e| BmcError::Tls {
+        address: address.to_string(),
+        detail: format!("cannot build the HTTP client: {e}"),
+    })?;
+    if let Ok(mut c) = clients.lock() {
+        c.insert(key, client.clone());
+    }
+    Ok(client)
+}
+
 impl Default for RedfishOptions {
     fn default() -> Self {
         RedfishOptions {
@@ -308,38 +368,7 @@ impl RedfishBmc {
         options: RedfishOptions,
     ) -> Result<Self, BmcError> {
         let parsed = parse_address(address)?;
-        let mut builder = reqwest::Client::builder()
-            .use_rustls_tls()
-            .connect_timeout(options.timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            // Credentials go to the BMC itself, never through a proxy picked up from the
-            // environment (HTTPS_PROXY is for the apiserver).
-            .no_proxy()
-            .user_agent(concat!("metalboot/", env!("CARGO_PKG_VERSION")));
-        if let Some(pem) = &options.ca_pem {
-            let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(|e| {
-                BmcError::Tls {
-                    address: address.to_string(),
-                    detail: format!("the CA bundle is not valid PEM: {e}"),
-                }
-            })?;
-            if certs.is_empty() {
-                return Err(BmcError::Tls {
-                    address: address.to_string(),
-                    detail: "the CA bundle holds no certificate".to_string(),
-                });
-            }
-            for cert in certs {
-                builder = builder.add_root_certificate(cert);
-            }
-        }
-        if options.disable_certificate_verification {
-            builder = builder.danger_accept_invalid_certs(true);
-        }
-        let http = builder.build().map_err(|e| BmcError::Tls {
-            address: address.to_string(),
-            detail: format!("cannot build the HTTP client: {e}"),
-        })?;
+        let http = shared_client(address, &options)?;
         let gate = gate_for(&parsed.gate_key());
         Ok(RedfishBmc {
             address: address.to_string(),
