@@ -31,7 +31,7 @@ use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::controlplane::{self, ControlPlane, Lifetime};
 use metalboot::lab::fleet::{FaultShares, Fleet, FleetOptions};
 use metalboot::lab::objects::LabObjects;
-use metalboot::lab::vbmc::{VirtualBmc, router};
+use metalboot::lab::vbmc::{VirtualBmc, serve_on_loopback};
 
 const NAMESPACE: &str = "bench";
 
@@ -195,12 +195,9 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         .await
         .map_err(|e| e.to_string())?;
 
-    let relay = tokio::net::TcpListener::bind("127.0.0.1:0")
+    let relay_url = metalboot::lab::relay::serve_on_loopback(cp.server.clone(), cp.ca_pem.clone())
         .await
         .map_err(|e| e.to_string())?;
-    let relay_url = format!("http://{}", relay.local_addr().map_err(|e| e.to_string())?);
-    let (upstream, ca) = (cp.server.clone(), cp.ca_pem.clone());
-    tokio::spawn(async move { metalboot::lab::relay::serve(relay, upstream, &ca).await });
 
     let boot_port = free_port();
     let boot_url = format!("http://127.0.0.1:{boot_port}");
@@ -221,14 +218,8 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         "admin".into(),
         password.into(),
     ));
-    let bmc_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| e.to_string())?;
-    let bmc_url = format!(
-        "redfish+http://{}",
-        bmc_listener.local_addr().map_err(|e| e.to_string())?
-    );
-    tokio::spawn(async move { axum::serve(bmc_listener, router(bmc)).await });
+    let bmc_port = serve_on_loopback(bmc).await.map_err(|e| e.to_string())?;
+    let bmc_url = format!("redfish+http://127.0.0.1:{bmc_port}");
 
     let objects = Arc::new(LabObjects {
         client: client.clone(),

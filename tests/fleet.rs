@@ -17,7 +17,7 @@ use metalboot::api::metalhost::HostState;
 use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::lab::fleet::{FaultShares, Fleet, FleetOptions};
 use metalboot::lab::objects::LabObjects;
-use metalboot::lab::vbmc::{VirtualBmc, router};
+use metalboot::lab::vbmc::{VirtualBmc, serve_on_loopback};
 
 const N: u32 = 50;
 
@@ -52,12 +52,10 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
 
     // The lab's plain-HTTP relay to the apiserver, for the hosts' kubelet stand-in.
     let plane = support::control_plane();
-    let relay = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("relay");
-    let relay_url = format!("http://{}", relay.local_addr().expect("relay addr"));
-    let (upstream, ca) = (plane.server.clone(), plane.ca_pem.clone());
-    tokio::spawn(async move { metalboot::lab::relay::serve(relay, upstream, &ca).await });
+    let relay_url =
+        metalboot::lab::relay::serve_on_loopback(plane.server.clone(), plane.ca_pem.clone())
+            .await
+            .expect("relay");
 
     let fleet = Fleet::new(FleetOptions {
         hosts: N,
@@ -74,14 +72,8 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
         "admin".into(),
         password.into(),
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bmc");
-    let bmc_url = format!(
-        "redfish+http://{}",
-        listener.local_addr().expect("bmc addr")
-    );
-    tokio::spawn(async move { axum::serve(listener, router(bmc)).await });
+    let bmc_port = serve_on_loopback(bmc).await.expect("serving the BMC");
+    let bmc_url = format!("redfish+http://127.0.0.1:{bmc_port}");
 
     let objects = LabObjects {
         client: ns.client.clone(),

@@ -15,6 +15,18 @@ struct Relay {
     upstream: String,
 }
 
+/// Serves the relay on a free loopback port until the process ends; returns its URL.
+pub async fn serve_on_loopback(upstream: String, ca_pem: String) -> std::io::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = serve(listener, upstream, &ca_pem).await {
+            tracing::error!(error = %e, "apiserver relay stopped");
+        }
+    });
+    Ok(url)
+}
+
 /// Serves the relay on `listener`, forwarding to `upstream` (https) trusting `ca_pem`.
 pub async fn serve(
     listener: tokio::net::TcpListener,

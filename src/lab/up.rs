@@ -383,12 +383,10 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         "admin".into(),
         bmc_password.clone(),
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    let bmc_port = vbmc::serve_on_loopback(bmc)
         .await
-        .map_err(io("binding the lab BMC"))?;
-    let bmc_port = listener.local_addr().map_err(io("lab BMC address"))?.port();
+        .map_err(io("serving the lab BMC"))?;
     let bmc_url = format!("redfish+http://127.0.0.1:{bmc_port}");
-    tokio::spawn(async move { axum::serve(listener, vbmc::router(bmc)).await });
 
     // The last `ipmi_hosts` hosts answer IPMI (ipmi_sim in front of the virtual BMC).
     let ipmi_password = crate::boot::tokens::Token::mint().expose()[..16].to_string();

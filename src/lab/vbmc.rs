@@ -161,6 +161,14 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// Serves `bmc` on a free loopback port until the process ends; returns the port.
+pub async fn serve_on_loopback(bmc: Arc<VirtualBmc>) -> std::io::Result<u16> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move { axum::serve(listener, router(bmc)).await });
+    Ok(port)
+}
+
 pub fn router(bmc: Arc<VirtualBmc>) -> Router {
     let protected = Router::new()
         .route("/redfish/v1/SessionService", get(session_service))
