@@ -97,15 +97,42 @@ impl Client {
             .collect()
     }
 
+    /// Sends `packet` (transaction `xid`) and sends it again every 2 s, as firmware and DHCP
+    /// clients do, until `done` says enough, or 20 s: a server under load may drop a DISCOVER.
+    async fn ask(&self, packet: &[u8], xid: u32, done: impl Fn(&[Offer]) -> bool) -> Vec<Offer> {
+        let mut all: BTreeMap<u32, Vec<Offer>> = BTreeMap::new();
+        let finished = |all: &BTreeMap<u32, Vec<Offer>>| all.get(&xid).is_some_and(|o| done(o));
+        for _ in 0..10 {
+            self.send(packet).await;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+            self.gather(&mut all, deadline, &finished).await;
+            if finished(&all) {
+                break;
+            }
+        }
+        all.remove(&xid).unwrap_or_default()
+    }
+
     /// Answers by transaction id until `done` says enough, or 20 s.
     async fn collect(
         &self,
         done: impl Fn(&BTreeMap<u32, Vec<Offer>>) -> bool,
     ) -> BTreeMap<u32, Vec<Offer>> {
         let mut all: BTreeMap<u32, Vec<Offer>> = BTreeMap::new();
-        let mut buf = vec![0u8; 1500];
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while !done(&all) {
+        self.gather(&mut all, deadline, &done).await;
+        all
+    }
+
+    /// Adds answers to `all` by transaction id until `done` or `deadline`.
+    async fn gather(
+        &self,
+        all: &mut BTreeMap<u32, Vec<Offer>>,
+        deadline: tokio::time::Instant,
+        done: &impl Fn(&BTreeMap<u32, Vec<Offer>>) -> bool,
+    ) {
+        let mut buf = vec![0u8; 1500];
+        while !done(all) {
             let Ok(Ok((n, _))) =
                 tokio::time::timeout_at(deadline, self.socket.recv_from(&mut buf)).await
             else {
@@ -132,7 +159,6 @@ impl Client {
                     .to_string(),
             });
         }
-        all
     }
 }
 
@@ -198,8 +224,11 @@ async fn proxy_dhcp_answers_only_its_pxe_clients_through_rogues_garbage_and_floo
 
     // A plain DHCP client with the same MAC: the site answers, metalboot decides not to.
     let before = counted("not-boot-client");
-    client.send(&discover(2, &KNOWN, false)).await;
-    let offers = client.offers(2, |o| !from(o, SITE_IP).is_empty()).await;
+    let offers = client
+        .ask(&discover(2, &KNOWN, false), 2, |o| {
+            !from(o, SITE_IP).is_empty()
+        })
+        .await;
     support::eventually("metalboot to see the plain request", 20, || async {
         (counted("not-boot-client") > before).then_some(())
     })
@@ -209,8 +238,9 @@ async fn proxy_dhcp_answers_only_its_pxe_clients_through_rogues_garbage_and_floo
 
     // A PXE client metalboot does not provision: nothing from metalboot.
     let before = counted("not-provisioning");
-    client.send(&discover(3, &UNKNOWN, true)).await;
-    let offers = client.offers(3, site_and_rogue).await;
+    let offers = client
+        .ask(&discover(3, &UNKNOWN, true), 3, site_and_rogue)
+        .await;
     support::eventually("metalboot to see the unknown MAC", 20, || async {
         (counted("not-provisioning") > before).then_some(())
     })
