@@ -129,11 +129,11 @@ async fn main() {
             &MetalMachine::new(
                 "bench",
                 MetalMachineSpec {
-                    boot: BootProfile {
+                    boot: Some(BootProfile {
                         kernel: "big.img".into(),
                         initrds: vec![],
                         cmdline: Some("console=ttyS0".into()),
-                    },
+                    }),
                     ..Default::default()
                 },
             ),

@@ -12,6 +12,8 @@ packages=(
   ipmitool openipmi           # the IPMI driver's tool; ipmi_sim, a real IPMI BMC for tests
   cloud-init                  # the real cloud-init validates and runs the bootstrap cloud-config
   busybox-static cpio kmod    # the lab OS initramfs
+  mmdebstrap qemu-utils       # the lab's installed OS: a Debian disk image, and its qcow2 form
+  grub-pc-bin grub-efi-amd64-bin grub2-common dosfstools  # its boot loader for SeaBIOS and OVMF
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -4,6 +4,7 @@
 //! thin I/O), `bmc` (Redfish), `boot` (HTTP/TFTP/iPXE/cloud-init), `lab` (QEMU hosts behind
 //! virtual BMCs), `controlplane` (the local kube-apiserver used by tests and the lab).
 
+pub mod agent;
 pub mod api;
 pub mod bmc;
 pub mod boot;

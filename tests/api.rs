@@ -314,6 +314,51 @@ async fn invalid_objects_are_rejected_with_a_message_naming_the_field() {
             "spec.boot",
         ),
         (
+            "image mode without an image",
+            Step::Create(machine("m20", json!({"mode": "image"}))),
+            "spec.image is required",
+        ),
+        (
+            "image checksum too short",
+            Step::Create(machine(
+                "m21",
+                json!({"mode": "image", "image": {"url": "os.raw", "checksum": "abc", "checksumType": "sha256"}}),
+            )),
+            "spec.image.checksum",
+        ),
+        (
+            "image checksum of the other digest",
+            Step::Create(machine(
+                "m22",
+                json!({"mode": "image", "image": {"url": "os.raw", "checksum": "a".repeat(64), "checksumType": "sha512"}}),
+            )),
+            "checksum must be the hex digest",
+        ),
+        (
+            "image url escaping the artifacts dir",
+            Step::Create(machine(
+                "m23",
+                json!({"mode": "image", "image": {"url": "../os.raw", "checksum": "a".repeat(64), "checksumType": "sha256"}}),
+            )),
+            "spec.image.url",
+        ),
+        (
+            "image of an unknown format",
+            Step::Create(machine(
+                "m24",
+                json!({"mode": "image", "image": {"url": "os.vmdk", "checksum": "a".repeat(64), "checksumType": "sha256", "format": "vmdk"}}),
+            )),
+            "spec.image.format",
+        ),
+        (
+            "root device hint of the wrong type",
+            Step::Create(machine(
+                "m25",
+                json!({"mode": "image", "image": {"url": "os.raw", "checksum": "a".repeat(64), "checksumType": "sha256"}, "rootDeviceHints": {"rotational": "yes"}}),
+            )),
+            "spec.rootDeviceHints.rotational",
+        ),
+        (
             "kernel as an absolute host path",
             Step::Create(machine(
                 "m2",
@@ -505,6 +550,10 @@ async fn invalid_objects_are_rejected_with_a_message_naming_the_field() {
     for obj in [
         host("valid-host", good_host_spec()),
         machine("valid-machine", good_machine_spec()),
+        machine(
+            "valid-image-machine",
+            json!({"mode": "image", "image": {"url": "https://images.example/os.qcow2", "checksum": "a".repeat(128), "checksumType": "sha512", "format": "qcow2"}, "rootDeviceHints": {"minSizeGigabytes": 4, "rotational": false}}),
+        ),
         cluster(
             "valid-cluster",
             json!({"controlPlaneEndpoint": {"host": "10.0.0.10", "port": 6443}}),

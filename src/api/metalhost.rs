@@ -305,9 +305,24 @@ pub struct HardwareInventory {
     /// BIOS/UEFI firmware version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bios_version: Option<String>,
-    /// Network interfaces the BMC knows about.
+    /// Network interfaces (from the BMC, or the deploy agent's inspection).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nics: Vec<NicInfo>,
+    /// CPUs the deploy agent counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuInfo>,
+    /// Memory the deploy agent found, in MiB.
+    #[serde(default, rename = "memoryMiB", skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<i64>,
+    /// Disks the deploy agent found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskInfo>,
+    /// `UEFI` or `BIOS`, as the deploy agent booted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware_mode: Option<String>,
+    /// When the deploy agent last inspected the host (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inspected_at: Option<String>,
     /// Other facts, free-form.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra: BTreeMap<String, String>,
@@ -358,6 +373,41 @@ pub struct BmcCapabilities {
     pub cipher_suite: Option<u8>,
 }
 
+/// CPUs of a host.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CpuInfo {
+    /// Logical CPUs.
+    pub count: i32,
+    /// Model name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Architecture, e.g. `x86_64`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+}
+
+/// One disk, as the deploy agent saw it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskInfo {
+    /// Kernel name, e.g. `vda`.
+    pub name: String,
+    /// Size in bytes.
+    pub size_bytes: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_number: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wwn: Option<String>,
+    /// Persistent path name (under `/dev/disk/by-path/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by_path: Option<String>,
+    #[serde(default)]
+    pub rotational: bool,
+}
+
 /// One network interface.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -368,4 +418,10 @@ pub struct NicInfo {
     /// MAC address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
+    /// Link up (deploy agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_up: Option<bool>,
+    /// Link speed in Mbit/s (deploy agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speed_mbps: Option<i64>,
 }

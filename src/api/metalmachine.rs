@@ -65,6 +65,8 @@ pub const DEFAULT_BOOT_RETRIES: i32 = 2;
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)").message("spec.providerID is immutable once set"))]
+#[x_kube(validation = Rule::new("self.mode != 'image' || has(self.image)").message("spec.image is required when spec.mode is image"))]
+#[x_kube(validation = Rule::new("self.mode == 'image' || has(self.boot)").message("spec.boot is required when spec.mode is live"))]
 pub struct MetalMachineSpec {
     /// Provider ID of the host, `metalboot://<namespace>/<host>`, set by the controller when the
     /// host is provisioned; immutable once set. Matches `Node.spec.providerID`.
@@ -86,8 +88,21 @@ pub struct MetalMachineSpec {
     /// (`MetalHost.status.hardware`): a host whose inventory does not say is not enough.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_hardware: Option<HardwareRequirements>,
-    /// What the host network-boots into.
-    pub boot: BootProfile,
+    /// How the host gets its OS: `live` netboots `boot` on every power-on (diskless); `image`
+    /// has metalboot's deploy agent write `image` to the disk chosen by `rootDeviceHints`, and
+    /// the host boots that disk from then on.
+    #[serde(default)]
+    pub mode: ProvisioningMode,
+    /// What the host network-boots into (`live` mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<BootProfile>,
+    /// The OS image written to disk (`image` mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
+    /// Which disk the image is written to (`image` mode). Empty picks the smallest disk that
+    /// holds the image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_device_hints: Option<RootDeviceHints>,
     /// Seconds to wait, after powering the host on, for its bootstrap-success callback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 10, max = 86400))]
@@ -160,6 +175,96 @@ pub struct BootProfile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 4096))]
     pub cmdline: Option<String>,
+}
+
+/// How a MetalMachine's host gets its OS.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ProvisioningMode {
+    /// Netboot `spec.boot` on every power-on; nothing is written to disk.
+    #[default]
+    Live,
+    /// Write `spec.image` to disk with the deploy agent, then boot the disk.
+    Image,
+}
+
+/// An OS image for `image` mode.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(self.checksumType == 'sha256' && self.checksum.matches('^[0-9a-fA-F]{64}$')) || (self.checksumType == 'sha512' && self.checksum.matches('^[0-9a-fA-F]{128}$'))").message("spec.image.checksum must be the hex digest that checksumType names"))]
+pub struct ImageSpec {
+    /// Where the image is: an `http(s)://` URL, or a path relative to the boot service's
+    /// artifacts directory.
+    #[schemars(length(min = 1, max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('http://') || self.startsWith('https://') || (!self.startsWith('/') && !self.contains('..'))").message("spec.image.url must be an http(s) URL or a relative artifact path without '..'"))]
+    pub url: String,
+    /// Hex digest of the image file as served (of the compressed bytes for gzip).
+    #[schemars(length(min = 64, max = 128))]
+    pub checksum: String,
+    /// Which digest `checksum` is.
+    pub checksum_type: ChecksumType,
+    /// How the image is stored.
+    #[serde(default)]
+    pub format: ImageFormat,
+}
+
+/// Digest of an image.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ChecksumType {
+    Sha256,
+    Sha512,
+}
+
+/// On-the-wire format of an image.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageFormat {
+    /// A disk image byte for byte.
+    #[default]
+    Raw,
+    /// QEMU's qcow2 (metadata before data, as `qemu-img convert` writes it; zlib-compressed
+    /// clusters allowed).
+    Qcow2,
+    /// A raw image compressed with gzip.
+    Gzip,
+}
+
+/// Which disk receives the image. Every hint given must match; Metal3's names where they exist.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RootDeviceHints {
+    /// Kernel name of the disk, e.g. `/dev/sda` or `sda`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub device_name: Option<String>,
+    /// Least size in GiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub min_size_gigabytes: Option<i64>,
+    /// Greatest size in GiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_size_gigabytes: Option<i64>,
+    /// Disk serial number, exactly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub serial_number: Option<String>,
+    /// World Wide Name, exactly (e.g. `0x5000c500a0b1c2d3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub wwn: Option<String>,
+    /// Persistent path under `/dev/disk/by-path/`, e.g. `pci-0000:00:04.0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub by_path: Option<String>,
+    /// true for spinning disks, false for SSD/NVMe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotational: Option<bool>,
 }
 
 /// Coarse provisioning phase, for `kubectl get`.

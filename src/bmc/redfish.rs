@@ -1276,6 +1276,7 @@ impl RedfishBmc {
                 inv.nics.push(NicInfo {
                     name: nic.get("Id").and_then(Value::as_str).map(str::to_string),
                     mac,
+                    ..Default::default()
                 });
             }
         }

@@ -204,7 +204,12 @@ pub fn choose_script(
     if record.callback.is_some() {
         return idle("already bootstrapped");
     }
-    let profile = &machine.spec.boot;
+    let Some(profile) = machine.spec.boot.as_ref() else {
+        return HostScript::Refused {
+            host: host_name,
+            reason: "spec.boot is empty: image mode boots the deploy ramdisk, which this boot service has not been given".to_string(),
+        };
+    };
     let plan = (|| {
         let kernel_url = artifact_url(&profile.kernel, base_url)?;
         let initrds = profile
@@ -285,11 +290,11 @@ mod tests {
         MetalMachine::new(
             "m1",
             MetalMachineSpec {
-                boot: BootProfile {
+                boot: Some(BootProfile {
                     kernel: kernel.into(),
                     initrds: initrds.iter().map(|s| s.to_string()).collect(),
                     cmdline: cmdline.map(String::from),
-                },
+                }),
                 ..Default::default()
             },
         )

@@ -95,7 +95,7 @@ pub async fn create_machine(
     let m = MetalMachine::new(
         name,
         MetalMachineSpec {
-            boot,
+            boot: Some(boot),
             ..Default::default()
         },
     );

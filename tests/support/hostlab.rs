@@ -180,11 +180,11 @@ impl Lab {
         let mut mm = MetalMachine::new(
             name,
             MetalMachineSpec {
-                boot: BootProfile {
+                boot: Some(BootProfile {
                     kernel: "vmlinuz".into(),
                     initrds: vec!["initrd.gz".into()],
                     cmdline: Some("console=ttyS0".into()),
-                },
+                }),
                 boot_timeout_seconds: timeout,
                 boot_retries: retries,
                 ..Default::default()
