@@ -43,6 +43,25 @@ pub enum Command {
     Lab(LabCommand),
     /// Talk to one BMC: status, power, one-time boot, inventory.
     Bmc(crate::bmc::cli::BmcArgs),
+    /// The deploy agent, run by the deploy ramdisk: inspect the host, write the image the boot
+    /// service names to the chosen disk, leave the NoCloud seed, report.
+    Agent(AgentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// `http://…/agent/<token>`; default: `metalboot.agent=` on the kernel command line.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Root of /proc and /sys.
+    #[arg(long, default_value = "/")]
+    pub sys_root: PathBuf,
+    /// Where the disks are.
+    #[arg(long, default_value = "/dev")]
+    pub dev_dir: PathBuf,
+    /// Seconds to keep retrying an unreachable boot service.
+    #[arg(long, default_value_t = 600)]
+    pub patience_seconds: u64,
 }
 
 #[derive(Debug, Args)]
@@ -405,6 +424,7 @@ async fn dispatch(command: Command) -> Result<(), String> {
             running.wait().await.map_err(|e| e.to_string())
         }
         Command::Bmc(args) => crate::bmc::cli::run(args).await,
+        Command::Agent(args) => run_agent(args).await,
         Command::Crds { out_dir } => write_crds(out_dir.as_deref()),
         Command::Lab(LabCommand::Up(args)) => crate::lab::up::up(
             args.options(),
@@ -483,4 +503,34 @@ fn write_crds(out_dir: Option<&std::path::Path>) -> Result<(), String> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+async fn run_agent(args: AgentArgs) -> Result<(), String> {
+    use crate::agent::run::{AgentConfig, Outcome, run, url_from_cmdline};
+    let url = match args.url {
+        Some(url) => url,
+        None => std::fs::read_to_string("/proc/cmdline")
+            .ok()
+            .and_then(|c| url_from_cmdline(&c))
+            .ok_or("no --url and no metalboot.agent= on the kernel command line")?,
+    };
+    let outcome = run(AgentConfig {
+        url,
+        sys_root: args.sys_root,
+        dev_dir: args.dev_dir,
+        patience: std::time::Duration::from_secs(args.patience_seconds),
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    match outcome {
+        Outcome::Written { device, bytes } => {
+            println!("metalboot agent: wrote {bytes} bytes to {device}");
+            Ok(())
+        }
+        Outcome::Nothing(reason) => {
+            println!("metalboot agent: nothing to do: {reason}");
+            Ok(())
+        }
+        Outcome::Failed { reason, message } => Err(format!("{reason}: {message}")),
+    }
 }

@@ -7,5 +7,7 @@
 pub mod hints;
 pub mod image;
 pub mod inspect;
+pub mod protocol;
+pub mod run;
 pub mod seed;
 pub mod wipe;

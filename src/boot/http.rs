@@ -641,6 +641,9 @@ pub fn router(state: Arc<BootState>) -> Router {
         .route("/ipxe/{mac}", get(host_script))
         .route("/nocloud/{token}/{document}", get(nocloud_document))
         .route("/callback/{token}", post(callback))
+        .route("/agent/{token}/task", get(agent_api::task))
+        .route("/agent/{token}/inspection", post(agent_api::inspection))
+        .route("/agent/{token}/report", post(agent_api::report))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -1071,6 +1074,8 @@ async fn nocloud_document(
     }
 }
 
+mod agent_api;
+
 /// Why a callback could not be recorded.
 enum CallbackWrite {
     /// The attempt the token belongs to is gone: replaced by a later attempt (new token), or
@@ -1090,15 +1095,25 @@ async fn record_callback(
     record: &BootRecord,
     received: &CallbackRecord,
 ) -> Result<(), CallbackWrite> {
+    let patch = tokens::callback_patch(received)
+        .map_err(|e| CallbackWrite::Failed(format!("encoding the callback record: {e}")))?;
+    record_on_attempt(secrets, record, patch).await
+}
+
+/// Merges `data_patch` into the boot Secret of `record`'s attempt, under the same rule as the
+/// callback: only while that attempt (same token) lives and has not called back.
+async fn record_on_attempt(
+    secrets: &Api<Secret>,
+    record: &BootRecord,
+    data_patch: serde_json::Value,
+) -> Result<(), CallbackWrite> {
     const ATTEMPTS: usize = 3;
     let mut current = record.clone();
     for _ in 0..ATTEMPTS {
         let Some(resource_version) = current.resource_version.clone() else {
             return Err(CallbackWrite::Superseded);
         };
-        let patch = tokens::callback_patch(received)
-            .map_err(|e| CallbackWrite::Failed(format!("encoding the callback record: {e}")))?;
-        let patch = crate::controllers::conditioned(patch, Some(&resource_version));
+        let patch = crate::controllers::conditioned(data_patch.clone(), Some(&resource_version));
         match secrets
             .patch(
                 &record.secret_name,

@@ -126,7 +126,7 @@ fn unsafe_for_ipxe(value: &str) -> bool {
 }
 
 /// An artifact location from a boot profile as a URL the host can fetch.
-fn artifact_url(location: &str, base_url: &str) -> Result<String, String> {
+pub(crate) fn artifact_url(location: &str, base_url: &str) -> Result<String, String> {
     if location.is_empty() || location.chars().any(char::is_whitespace) || unsafe_for_ipxe(location)
     {
         return Err(format!(

@@ -20,6 +20,10 @@ pub const BOOT_SECRET_TYPE: &str = "metalboot.io/boot-token";
 const KEY_TOKEN: &str = "token";
 const KEY_USER_DATA: &str = "user-data";
 const KEY_CALLBACK: &str = "callback";
+/// The deploy agent's hardware inventory (JSON), written by the boot service.
+const KEY_INSPECTION: &str = "inspection";
+/// The deploy agent's last report (JSON), written by the boot service.
+const KEY_DEPLOY: &str = "deploy";
 const ANN_HOST: &str = "metalboot.io/host";
 const ANN_PROVIDER_ID: &str = "metalboot.io/provider-id";
 const ANN_INSTANCE_ID: &str = "metalboot.io/instance-id";
@@ -96,6 +100,10 @@ pub struct BootRecord {
     pub instance_id: String,
     pub user_data: Vec<u8>,
     pub callback: Option<CallbackRecord>,
+    /// What the deploy agent found on the host (image mode).
+    pub inspection: Option<crate::api::metalhost::HardwareInventory>,
+    /// The deploy agent's last report (image mode).
+    pub deploy: Option<crate::agent::protocol::DeployReport>,
     /// When the host was powered on for this attempt.
     pub powered_at: Option<jiff::Timestamp>,
     pub resource_version: Option<String>,
@@ -170,6 +178,32 @@ pub fn callback_patch(record: &CallbackRecord) -> Result<serde_json::Value, serd
     }))
 }
 
+/// The data patch that records one JSON document under `key`.
+fn json_data_patch(
+    key: &str,
+    value: &impl Serialize,
+) -> Result<serde_json::Value, serde_json::Error> {
+    use base64::Engine;
+    let json = serde_json::to_vec(value)?;
+    Ok(serde_json::json!({
+        "data": { key: base64::engine::general_purpose::STANDARD.encode(json) }
+    }))
+}
+
+/// The data patch that records the deploy agent's inspection.
+pub fn inspection_patch(
+    inventory: &crate::api::metalhost::HardwareInventory,
+) -> Result<serde_json::Value, serde_json::Error> {
+    json_data_patch(KEY_INSPECTION, inventory)
+}
+
+/// The data patch that records the deploy agent's report.
+pub fn deploy_patch(
+    report: &crate::agent::protocol::DeployReport,
+) -> Result<serde_json::Value, serde_json::Error> {
+    json_data_patch(KEY_DEPLOY, report)
+}
+
 /// The patch that records when the host was powered on for the current attempt.
 pub fn powered_patch(at: jiff::Timestamp) -> serde_json::Value {
     serde_json::json!({"metadata": {"annotations": {ANN_POWERED_AT: at.to_string()}}})
@@ -206,6 +240,8 @@ pub fn next_attempt(secret: &Secret) -> Secret {
         ByteString(Token::mint().expose().as_bytes().to_vec()),
     );
     data.remove(KEY_CALLBACK);
+    // The next attempt deploys again; what the agent found about the hardware stays true.
+    data.remove(KEY_DEPLOY);
     next
 }
 
@@ -237,7 +273,25 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
         ),
         None => None,
     };
+    let json = |key: &'static str| -> Result<Option<serde_json::Value>, BootSecretError> {
+        data.get(key)
+            .map(|bytes| {
+                serde_json::from_slice(&bytes.0)
+                    .map_err(|_| BootSecretError::Invalid(name.clone(), key))
+            })
+            .transpose()
+    };
+    let inspection = json(KEY_INSPECTION)?
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_INSPECTION))?;
+    let deploy = json(KEY_DEPLOY)?
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_DEPLOY))?;
     Ok(BootRecord {
+        inspection,
+        deploy,
         namespace: secret.metadata.namespace.clone().unwrap_or_default(),
         metal_machine: annotation(ANN_MACHINE)?,
         host: annotation(ANN_HOST)?,

@@ -828,6 +828,8 @@ mod tests {
                 received_at: "t".into(),
             }),
             powered_at: powered.map(at),
+            inspection: None,
+            deploy: None,
             resource_version: Some("5".into()),
         }
     }
