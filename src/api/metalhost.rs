@@ -395,15 +395,19 @@ pub struct DiskInfo {
     pub name: String,
     /// Size in bytes.
     pub size_bytes: i64,
+    /// Model string the disk reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Serial number the disk reports; a root-device hint can require it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial_number: Option<String>,
+    /// World Wide Name, when the disk has one; a root-device hint can require it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wwn: Option<String>,
     /// Persistent path name (under `/dev/disk/by-path/`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by_path: Option<String>,
+    /// True for spinning disks.
     #[serde(default)]
     pub rotational: bool,
 }
