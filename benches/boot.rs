@@ -203,6 +203,7 @@ async fn main() {
                 base_url: base.clone(),
                 pin_source_ip: false,
                 sentinel_wait_seconds: 600,
+                deploy: None,
             },
             client.clone(),
             tx,

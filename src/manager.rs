@@ -502,6 +502,7 @@ async fn start_infrastructure(
             base_url: running.base_url.clone(),
             pin_source_ip: opts.pin_source_ip,
             sentinel_wait_seconds: opts.sentinel_wait.as_secs() as u32,
+            deploy: None,
         },
         client.clone(),
         callback_tx,

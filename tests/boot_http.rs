@@ -469,6 +469,7 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
         base_url: BASE.into(),
         pin_source_ip: false,
         sentinel_wait_seconds: 600,
+        deploy: None,
     };
     let callback = |token: &str| {
         Request::post(format!("/callback/{token}"))

@@ -44,6 +44,8 @@ pub struct BootConfig {
     pub pin_source_ip: bool,
     /// How long vendor-data waits for the bootstrap sentinel before giving up.
     pub sentinel_wait_seconds: u32,
+    /// The deploy ramdisk that image-mode hosts netboot to run `metalboot agent`.
+    pub deploy: Option<crate::api::metalmachine::BootProfile>,
 }
 
 /// Milestones of a host's boot, broadcast for whoever watches (the lab's timings table, metrics).
@@ -912,6 +914,7 @@ async fn host_script(
         machine.as_deref(),
         record.as_ref(),
         &state.config.base_url,
+        state.config.deploy.as_ref(),
     );
     let host_name = host.as_ref().map(|h| h.name_any());
     match &script {

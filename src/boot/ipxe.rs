@@ -158,6 +158,7 @@ pub fn choose_script(
     machine: Option<&MetalMachine>,
     record: Option<&BootRecord>,
     base_url: &str,
+    deploy: Option<&crate::api::metalmachine::BootProfile>,
 ) -> HostScript {
     let Some(host) = host else {
         return HostScript::Unknown {
@@ -204,10 +205,29 @@ pub fn choose_script(
     if record.callback.is_some() {
         return idle("already bootstrapped");
     }
-    let Some(profile) = machine.spec.boot.as_ref() else {
+    // Image mode netboots the deploy agent until the image is written, then boots its disk.
+    let image_mode = machine.spec.mode == crate::api::metalmachine::ProvisioningMode::Image;
+    if image_mode
+        && record
+            .deploy
+            .as_ref()
+            .is_some_and(|d| d.state != crate::agent::protocol::DeployState::Writing)
+    {
+        return idle("the deploy agent has finished; the host boots its disk");
+    }
+    let profile = if image_mode {
+        deploy
+    } else {
+        machine.spec.boot.as_ref()
+    };
+    let Some(profile) = profile else {
         return HostScript::Refused {
             host: host_name,
-            reason: "spec.boot is empty: image mode boots the deploy ramdisk, which this boot service has not been given".to_string(),
+            reason: if image_mode {
+                "image mode needs the deploy ramdisk (--deploy-kernel/--deploy-initrd), which this boot service was not given".to_string()
+            } else {
+                "spec.boot is empty".to_string()
+            },
         };
     };
     let plan = (|| {
@@ -222,10 +242,15 @@ pub fn choose_script(
         if unsafe_for_ipxe(&user_cmdline) {
             return Err("the boot profile's cmdline has characters iPXE would misread".to_string());
         }
-        let datasource = format!(
-            "ds=nocloud;s={}",
-            nocloud_url(base_url, record.token.expose())
-        );
+        // Live: the OS finds its NoCloud data; image mode: the agent finds its boot service.
+        let datasource = if image_mode {
+            format!("metalboot.agent={base_url}/agent/{}", record.token.expose())
+        } else {
+            format!(
+                "ds=nocloud;s={}",
+                nocloud_url(base_url, record.token.expose())
+            )
+        };
         let cmdline = [user_cmdline.trim(), datasource.as_str()]
             .iter()
             .filter(|s| !s.is_empty())
@@ -423,7 +448,7 @@ mod tests {
             ),
         ];
         for (what, h, m, r, want) in cases {
-            let got = choose_script("52:54:00:aa:bb:01", 1, h.as_ref(), m, r, BASE);
+            let got = choose_script("52:54:00:aa:bb:01", 1, h.as_ref(), m, r, BASE, None);
             let kind = match got {
                 HostScript::Provision(_) => "Provision",
                 HostScript::Idle { .. } => "Idle",
@@ -449,6 +474,7 @@ mod tests {
             Some(&m),
             Some(&rec),
             BASE,
+            None,
         ) else {
             panic!("expected a provisioning script");
         };
@@ -485,6 +511,62 @@ mod tests {
         );
     }
 
+    /// Image mode: the deploy ramdisk with the agent's URL until the agent has finished, then
+    /// the disk; without a deploy ramdisk configured, a refusal that says so.
+    #[test]
+    fn image_mode_netboots_the_agent_until_written() {
+        use crate::agent::protocol::{DeployReport, DeployState};
+        let mut m = machine("unused", &[], None);
+        m.spec.mode = crate::api::metalmachine::ProvisioningMode::Image;
+        m.spec.boot = None;
+        let deploy = BootProfile {
+            kernel: "deploy/vmlinuz".into(),
+            initrds: vec!["deploy/initrd".into()],
+            cmdline: Some("console=ttyS0".into()),
+        };
+        let h = host(HostState::Provisioning, Some("m1"));
+        let mut rec = record("m1", "host-0");
+        let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, Some(&deploy));
+        let HostScript::Provision(plan) = got else {
+            panic!("expected the deploy ramdisk, got {got:?}");
+        };
+        assert_eq!(
+            plan.kernel_url,
+            "http://10.0.2.2:8080/artifacts/deploy/vmlinuz"
+        );
+        assert_eq!(
+            plan.cmdline,
+            format!(
+                "console=ttyS0 metalboot.agent=http://10.0.2.2:8080/agent/{}",
+                rec.token.expose()
+            )
+        );
+        assert!(
+            matches!(
+                choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, None),
+                HostScript::Refused { .. }
+            ),
+            "image mode without a deploy ramdisk is refused"
+        );
+        for state in [DeployState::Written, DeployState::Failed] {
+            rec.deploy = Some(DeployReport {
+                state,
+                device: None,
+                written_bytes: 0,
+                total_bytes: None,
+                bytes_per_second: 0,
+                reason: None,
+                message: None,
+                received_at: None,
+            });
+            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, Some(&deploy));
+            assert!(
+                matches!(got, HostScript::Idle { .. }),
+                "{state:?} → {got:?}"
+            );
+        }
+    }
+
     #[test]
     fn hostile_boot_profiles_are_refused_not_rendered() {
         let rec = record("m1", "host-0");
@@ -497,7 +579,7 @@ mod tests {
             machine("vmlinuz", &["a b"], None),
             machine("http://x/\"k", &[], None),
         ] {
-            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE);
+            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, None);
             assert!(
                 matches!(got, HostScript::Refused { .. }),
                 "{:?} → {got:?}",
@@ -535,7 +617,7 @@ mod tests {
         );
         assert!(last.trim_end().ends_with("exit"), "{last}");
         // A forged attempt number cannot make the loop longer or tighter.
-        let forged = choose_script("m", 0, None, None, None, BASE);
+        let forged = choose_script("m", 0, None, None, None, BASE, None);
         assert_eq!(
             forged,
             HostScript::Unknown {

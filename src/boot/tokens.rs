@@ -32,6 +32,9 @@ const ANN_MACHINE: &str = "metalboot.io/metalmachine";
 /// When the host was powered on for this attempt (RFC 3339): the boot timeout runs from it, and
 /// its presence means "do not power again" after a manager restart.
 const ANN_POWERED_AT: &str = "metalboot.io/powered-at";
+/// When the host was pointed at its disk and restarted after the image was written (image mode):
+/// its presence means "do not restart again".
+const ANN_DISK_BOOT_AT: &str = "metalboot.io/disk-boot-at";
 
 /// Name of the boot Secret of a MetalMachine.
 pub fn boot_secret_name(metal_machine: &str) -> String {
@@ -106,6 +109,8 @@ pub struct BootRecord {
     pub deploy: Option<crate::agent::protocol::DeployReport>,
     /// When the host was powered on for this attempt.
     pub powered_at: Option<jiff::Timestamp>,
+    /// When the host was restarted into its written disk (image mode).
+    pub disk_boot_at: Option<jiff::Timestamp>,
     pub resource_version: Option<String>,
 }
 
@@ -204,6 +209,11 @@ pub fn deploy_patch(
     json_data_patch(KEY_DEPLOY, report)
 }
 
+/// The patch that records when the host was restarted into its written disk.
+pub fn disk_boot_patch(at: jiff::Timestamp) -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {ANN_DISK_BOOT_AT: at.to_string()}}})
+}
+
 /// The patch that records when the host was powered on for the current attempt.
 pub fn powered_patch(at: jiff::Timestamp) -> serde_json::Value {
     serde_json::json!({"metadata": {"annotations": {ANN_POWERED_AT: at.to_string()}}})
@@ -234,6 +244,7 @@ pub fn next_attempt(secret: &Secret) -> Secret {
     annotations.insert(ANN_ATTEMPT.into(), (attempt + 1).to_string());
     annotations.insert(ANN_INSTANCE_ID.into(), format!("{uid}-{}", attempt + 1));
     annotations.remove(ANN_POWERED_AT);
+    annotations.remove(ANN_DISK_BOOT_AT);
     let data = next.data.get_or_insert_with(Default::default);
     data.insert(
         KEY_TOKEN.into(),
@@ -307,6 +318,7 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
         token: Token(token),
         callback,
         powered_at: ann.get(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
+        disk_boot_at: ann.get(ANN_DISK_BOOT_AT).and_then(|t| t.parse().ok()),
         resource_version: secret.metadata.resource_version.clone(),
         secret_name: name,
     })

@@ -165,6 +165,7 @@ pub async fn boot_state(
             base_url: base_url.to_string(),
             pin_source_ip,
             sentinel_wait_seconds: 600,
+            deploy: None,
         },
         client.clone(),
         tx,

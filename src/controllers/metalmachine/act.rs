@@ -281,6 +281,41 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             }
             Ok(())
         }
+        Step::RestartToDisk { host } => {
+            let BootObservation::Record(record) = &o.boot else {
+                return Err(ActError::Conflict("boot Secret gone".into()));
+            };
+            let target = host_named(o, host)?;
+            let bmc = bmc_for(ctx, target).await.map_err(ActError::Fault)?;
+            bmc.set_boot_once(BootDevice::Hdd, target.spec.boot_mode)
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            bmc.power(PowerAction::Cycle)
+                .await
+                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            patch_from(
+                ctx,
+                &secrets,
+                &namespace,
+                &boot_name,
+                record.resource_version.clone(),
+                tokens::disk_boot_patch(o.now),
+                "disk-boot-at",
+            )
+            .await?;
+            ctx.events
+                .publish(
+                    mm,
+                    false,
+                    "BootingInstalledOS",
+                    format!(
+                        "MetalHost {host}: image written; next boot set to disk, power-cycled (attempt {})",
+                        record.attempt
+                    ),
+                )
+                .await;
+            Ok(())
+        }
         Step::BootFromDisk { host } => {
             // The one-time network boot was consumed; leave the next boot to the disk. Best
             // effort: a BMC that refuses leaves a warning, not an unprovisioned machine.

@@ -65,6 +65,11 @@ pub enum Step {
     BootFromDisk {
         host: String,
     },
+    /// Image mode, image written: boot the disk and restart the host into it, then note the
+    /// restart on the boot Secret so it happens once.
+    RestartToDisk {
+        host: String,
+    },
     /// Delete the boot Secret: the token dies.
     DeleteBootSecret,
     /// Send a power-off request for deprovisioning.
@@ -165,6 +170,68 @@ pub fn boot_step(
     } else {
         BootStep::GiveUp {
             attempts: record.attempt,
+        }
+    }
+}
+
+/// How long the deploy agent may stay silent while it writes before the attempt is failed.
+pub const AGENT_SILENCE: Duration = Duration::from_secs(180);
+
+/// Where an image-mode attempt stands once the host was powered for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageStep {
+    /// The deploy agent has not reported yet.
+    AwaitingAgent,
+    /// Writing; the message says how far.
+    Writing(String),
+    /// The write failed (or the agent fell silent): the reason names why.
+    Failed { reason: String, message: String },
+    /// Written: restart the host into its disk.
+    Restart,
+    /// Restarted into the disk: the installed OS boots and calls back.
+    BootingDisk,
+}
+
+pub fn image_step(record: &BootRecord, now: jiff::Timestamp) -> ImageStep {
+    use crate::agent::protocol::DeployState;
+    let Some(report) = &record.deploy else {
+        return ImageStep::AwaitingAgent;
+    };
+    match report.state {
+        DeployState::Written if record.disk_boot_at.is_some() => ImageStep::BootingDisk,
+        DeployState::Written => ImageStep::Restart,
+        DeployState::Failed => ImageStep::Failed {
+            reason: report
+                .reason
+                .clone()
+                .unwrap_or_else(|| "AgentFailed".into()),
+            message: report.message.clone().unwrap_or_default(),
+        },
+        DeployState::Writing => {
+            let last = report
+                .received_at
+                .as_deref()
+                .and_then(|t| t.parse::<jiff::Timestamp>().ok());
+            if last.is_some_and(|t| now.duration_since(t).unsigned_abs() > AGENT_SILENCE) {
+                return ImageStep::Failed {
+                    reason: "AgentSilent".into(),
+                    message: format!(
+                        "the deploy agent has not reported for more than {} s",
+                        AGENT_SILENCE.as_secs()
+                    ),
+                };
+            }
+            let mib = |b: u64| b / (1 << 20);
+            let total = report
+                .total_bytes
+                .map(|t| format!(" of {} MiB", mib(t)))
+                .unwrap_or_default();
+            ImageStep::Writing(format!(
+                "writing the image to {}: {} MiB{total} at {} MiB/s",
+                report.device.as_deref().unwrap_or("its disk"),
+                mib(report.written_bytes),
+                mib(report.bytes_per_second)
+            ))
         }
     }
 }
@@ -480,6 +547,117 @@ fn decide_provisioned(
     }
 }
 
+/// What the image-mode gate concluded.
+enum ImageGate {
+    Decided(Decision),
+    /// The phase's clock ran out: the ordinary boot timeout (retry or give up) decides.
+    BootTimeout(StatusDraft),
+}
+
+/// Image mode, host powered and no callback yet: the deploy agent's report decides. Each phase
+/// has its own clock: the boot timeout until the agent first reports, the agent's silence bound
+/// while it writes (a large image may take longer than a boot), and the boot timeout again from
+/// the restart into the disk. None hands the attempt to the boot timeout below.
+fn decide_image(
+    o: &Observed,
+    mut draft: StatusDraft,
+    record: &BootRecord,
+    host_name: &str,
+) -> ImageGate {
+    let mm = &o.mm;
+    let attempt = record.attempt;
+    let attempts_allowed = (mm.spec.boot_retries().max(0) as u32).saturating_add(1);
+    let provisioning = Want::f(
+        READY,
+        "Provisioning",
+        format!("booting MetalHost {host_name}"),
+    );
+    let (reason, message) = match image_step(record, o.now) {
+        ImageStep::Failed { reason, message } => {
+            let message = format!(
+                "attempt {attempt}: the deploy agent could not write the image to MetalHost {host_name}: {message}"
+            );
+            draft.set(Want::f(BOOT_READY, &reason, message.clone()));
+            if attempt < attempts_allowed {
+                draft.set(provisioning);
+                let retry = format!(
+                    "{message}; retrying (attempt {} of {attempts_allowed})",
+                    attempt + 1
+                );
+                return ImageGate::Decided(
+                    Decision::new(draft.done(), Step::NextAttempt, None).noting(
+                        true,
+                        "ImageWriteFailed",
+                        retry,
+                    ),
+                );
+            }
+            draft.status.phase = Some(MetalMachinePhase::Failed);
+            draft.status.failure_reason = Some(reason.clone());
+            draft.status.failure_message = Some(message.clone());
+            draft.set(Want::f(READY, &reason, message.clone()));
+            return ImageGate::Decided(
+                Decision::new(draft.done(), Step::DeleteBootSecret, None).noting(
+                    true,
+                    "BootFailed",
+                    message,
+                ),
+            );
+        }
+        ImageStep::Restart => {
+            draft.set(Want::f(
+                BOOT_READY,
+                "BootingInstalledOS",
+                format!("attempt {attempt}: image written; restarting MetalHost {host_name} into its disk"),
+            ));
+            draft.set(provisioning);
+            let step = Step::RestartToDisk {
+                host: host_name.to_string(),
+            };
+            return ImageGate::Decided(Decision::new(draft.done(), step, Some(BOOT_POLL)));
+        }
+        // The agent is writing and reporting: its silence bound, not the boot timeout, applies.
+        ImageStep::Writing(progress) => {
+            draft.set(Want::f(
+                BOOT_READY,
+                "WritingImage",
+                format!("attempt {attempt}: {progress}"),
+            ));
+            draft.set(provisioning);
+            return ImageGate::Decided(Decision::new(draft.done(), Step::Nothing, Some(BOOT_POLL)));
+        }
+        ImageStep::BootingDisk => (
+            "BootingInstalledOS",
+            "image written; waiting for the installed OS's bootstrap-success callback",
+        ),
+        ImageStep::AwaitingAgent => ("WaitingForAgent", "host network-booting the deploy agent"),
+    };
+    // Boot timeout from the restart into the disk, or from the power-on before the agent spoke.
+    let clock = BootRecord {
+        powered_at: record.disk_boot_at.or(record.powered_at),
+        ..record.clone()
+    };
+    let BootStep::Wait(remaining) = boot_step(
+        &clock,
+        o.now,
+        mm.spec.boot_timeout_seconds(),
+        mm.spec.boot_retries(),
+    ) else {
+        return ImageGate::BootTimeout(draft);
+    };
+    draft.set(Want::f(
+        BOOT_READY,
+        reason,
+        format!("attempt {attempt}: {message}"),
+    ));
+    draft.set(provisioning);
+    ImageGate::Decided(Decision::new(
+        draft.done(),
+        Step::Nothing,
+        Some(remaining.min(BOOT_POLL)),
+    ))
+}
+
 fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decision {
     let mm = o.mm.as_ref();
     let host_name = host.name_any();
@@ -519,6 +697,15 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
     };
     let timeout = mm.spec.boot_timeout_seconds();
     let retries = mm.spec.boot_retries();
+    if mm.spec.mode == crate::api::metalmachine::ProvisioningMode::Image
+        && record.callback.is_none()
+        && record.powered_at.is_some()
+    {
+        match decide_image(o, draft, record, &host_name) {
+            ImageGate::Decided(decision) => return decision,
+            ImageGate::BootTimeout(back) => draft = back,
+        }
+    }
     match boot_step(record, o.now, timeout, retries) {
         BootStep::Power => {
             draft.set(Want::f(
@@ -830,6 +1017,7 @@ mod tests {
             powered_at: powered.map(at),
             inspection: None,
             deploy: None,
+            disk_boot_at: None,
             resource_version: Some("5".into()),
         }
     }
@@ -1295,6 +1483,168 @@ mod tests {
         for (what, o, want) in rows {
             assert_eq!(decide(&o, &policy()).step, want, "{what}");
         }
+    }
+
+    /// Image mode (issue 15): the deploy agent's report decides, each phase on its own clock.
+    #[test]
+    fn image_mode_rows() {
+        use crate::agent::protocol::{DeployReport, DeployState};
+        let report = |state: DeployState, reason: Option<&str>, received: i64| DeployReport {
+            state,
+            device: Some("vda".into()),
+            written_bytes: 64 << 20,
+            total_bytes: Some(128 << 20),
+            bytes_per_second: 8 << 20,
+            reason: reason.map(String::from),
+            message: reason.map(|_| "sha256 differs".to_string()),
+            received_at: Some(at(received).to_string()),
+        };
+        // attempt, deploy report, restarted into disk at, now; boot timeout 100 s, 2 retries.
+        let image =
+            |attempt: u32, deploy: Option<DeployReport>, disk_boot: Option<i64>, now: i64| {
+                let mut o = with_mm(claimed(observed()), |mm| {
+                    mm.spec.mode = crate::api::metalmachine::ProvisioningMode::Image;
+                });
+                let mut r = record(attempt, Some(0), false);
+                r.deploy = deploy;
+                r.disk_boot_at = disk_boot.map(at);
+                o.boot = BootObservation::Record(Box::new(r));
+                o.now = at(now);
+                o
+            };
+        let host = || "h1".to_string();
+        type Row = (
+            &'static str,
+            Observed,
+            &'static str,
+            Step,
+            Option<&'static str>,
+        );
+        let rows: Vec<Row> = vec![
+            (
+                "agent not heard from yet, inside the boot timeout: wait",
+                image(1, None, None, 50),
+                "WaitingForAgent",
+                Step::Nothing,
+                None,
+            ),
+            (
+                "agent never spoke within the boot timeout: next attempt",
+                image(1, None, None, 150),
+                "BootTimeout",
+                Step::NextAttempt,
+                None,
+            ),
+            (
+                "writing, reported recently, past the boot timeout: the silence bound applies, wait",
+                image(1, Some(report(DeployState::Writing, None, 400)), None, 450),
+                "WritingImage",
+                Step::Nothing,
+                None,
+            ),
+            (
+                "writing but silent for longer than AGENT_SILENCE: next attempt",
+                image(
+                    1,
+                    Some(report(DeployState::Writing, None, 10)),
+                    None,
+                    10 + 181,
+                ),
+                "AgentSilent",
+                Step::NextAttempt,
+                Some("ImageWriteFailed"),
+            ),
+            (
+                "checksum mismatch, retries left: next attempt, reason kept",
+                image(
+                    2,
+                    Some(report(
+                        DeployState::Failed,
+                        Some("ImageChecksumMismatch"),
+                        20,
+                    )),
+                    None,
+                    30,
+                ),
+                "ImageChecksumMismatch",
+                Step::NextAttempt,
+                Some("ImageWriteFailed"),
+            ),
+            (
+                "checksum mismatch on the last attempt: terminal, token deleted",
+                image(
+                    3,
+                    Some(report(
+                        DeployState::Failed,
+                        Some("ImageChecksumMismatch"),
+                        20,
+                    )),
+                    None,
+                    30,
+                ),
+                "ImageChecksumMismatch",
+                Step::DeleteBootSecret,
+                Some("BootFailed"),
+            ),
+            (
+                "written, not restarted yet: boot the disk",
+                image(1, Some(report(DeployState::Written, None, 60)), None, 61),
+                "BootingInstalledOS",
+                Step::RestartToDisk { host: host() },
+                None,
+            ),
+            (
+                "restarted into the disk: never restarted twice, the timeout runs from the restart",
+                image(
+                    1,
+                    Some(report(DeployState::Written, None, 60)),
+                    Some(300),
+                    350,
+                ),
+                "BootingInstalledOS",
+                Step::Nothing,
+                None,
+            ),
+            (
+                "restarted into the disk and no callback within the boot timeout: next attempt",
+                image(
+                    1,
+                    Some(report(DeployState::Written, None, 60)),
+                    Some(300),
+                    401,
+                ),
+                "BootTimeout",
+                Step::NextAttempt,
+                None,
+            ),
+        ];
+        for (what, o, want_boot_reason, want_step, want_note) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want_step, "{what}: step");
+            let boot_reason = conditions::get(&d.status.conditions, BOOT_READY)
+                .map(|c| c.reason.clone())
+                .unwrap_or_default();
+            assert_eq!(boot_reason, want_boot_reason, "{what}: BootReady reason");
+            if let Some(want) = want_note {
+                assert_eq!(
+                    d.note.as_ref().map(|n| n.reason),
+                    Some(want),
+                    "{what}: note"
+                );
+            }
+        }
+        // A terminal write failure names the agent's reason on the Machine.
+        let d = decide(
+            &image(
+                3,
+                Some(report(DeployState::Failed, Some("DiskTooSmall"), 20)),
+                None,
+                30,
+            ),
+            &policy(),
+        );
+        assert_eq!(d.status.failure_reason.as_deref(), Some("DiskTooSmall"));
+        assert_eq!(d.status.phase, Some(MetalMachinePhase::Failed));
     }
 
     #[test]
