@@ -13,7 +13,7 @@ packages=(
   cloud-init                  # the real cloud-init validates and runs the bootstrap cloud-config
   busybox-static cpio kmod    # the lab OS initramfs
   mmdebstrap qemu-utils       # the lab's installed OS: a Debian disk image, and its qcow2 form
-  grub-pc-bin grub-efi-amd64-bin grub2-common dosfstools  # its boot loader for SeaBIOS and OVMF
+  grub-pc-bin grub-efi-amd64-bin grub2-common dosfstools mtools  # its boot loader for SeaBIOS and OVMF
 )
 missing=()
 for p in "${packages[@]}"; do

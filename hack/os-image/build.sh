@@ -21,7 +21,7 @@ if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/de
   echo "os image: reusing $out"
   exit 0
 fi
-for tool in mmdebstrap grub-install mkfs.vfat mkfs.ext4 sgdisk losetup qemu-img; do
+for tool in mmdebstrap grub-install grub-mkimage mkfs.vfat mcopy mkfs.ext4 sgdisk losetup qemu-img; do
   command -v "$tool" >/dev/null || { echo "os image: $tool is required (make deps)" >&2; exit 1; }
 done
 [ -d /usr/lib/grub/i386-pc ] && [ -d /usr/lib/grub/x86_64-efi ] || { echo "os image: grub-pc-bin and grub-efi-amd64-bin are required" >&2; exit 1; }
@@ -29,7 +29,6 @@ start=$(date +%s)
 work=$(mktemp -d)
 loop=""
 cleanup() {
-  mountpoint -q "$work/mnt/boot/efi" 2>/dev/null && umount "$work/mnt/boot/efi"
   mountpoint -q "$work/mnt" 2>/dev/null && umount "$work/mnt"
   [ -n "$loop" ] && losetup -d "$loop" 2>/dev/null
   rm -rf "$work"
@@ -68,14 +67,42 @@ mkdir -p "$work/mnt"
 mount "${loop}p3" "$work/mnt"
 tar -C "$work/mnt" -xpf "$work/rootfs.tar"
 mkdir -p "$work/mnt/boot/efi"
-mount "${loop}p2" "$work/mnt/boot/efi"
 
 echo "os image: installing GRUB for BIOS and UEFI"
-grub-install --target=i386-pc --boot-directory="$work/mnt/boot" --modules="part_gpt ext2" "$loop" 2>&1 | grep -v "^Installation finished" || true
-grub-install --target=x86_64-efi --boot-directory="$work/mnt/boot" --efi-directory="$work/mnt/boot/efi" \
-  --removable --no-nvram --modules="part_gpt ext2" 2>&1 | grep -v "^Installation finished" || true
-[ -s "$work/mnt/boot/efi/EFI/BOOT/BOOTX64.EFI" ] || { echo "os image: UEFI GRUB missing" >&2; exit 1; }
-[ -s "$work/mnt/boot/grub/i386-pc/core.img" ] || { echo "os image: BIOS GRUB missing" >&2; exit 1; }
+# grub-install cannot map a loop device's partitions without udev, and the build machine's kernel
+# may not mount FAT. So GRUB is laid down the way grub-install would, by hand: each platform's
+# image is made with grub-mkimage with an early config that finds the root by label and reads
+# the one grub.cfg; modules go to /boot/grub/<platform>.
+mkdir -p "$work/mnt/boot/grub"
+cp -r /usr/lib/grub/i386-pc /usr/lib/grub/x86_64-efi "$work/mnt/boot/grub/"
+cat > "$work/early.cfg" <<'CFG'
+search --no-floppy --label metalboot-root --set=root
+set prefix=($root)/boot/grub
+configfile ($root)/boot/grub/grub.cfg
+CFG
+# BIOS: core.img into the BIOS boot partition (LBA 2048), boot.img's code into the MBR (its
+# partition table kept), each pointed at the next stage as grub-bios-setup does: boot.img's
+# kernel sector (offset 0x5c) at core.img, core.img's first blocklist (offset 0x1f4) at the
+# rest of itself.
+grub-mkimage -O i386-pc -o "$work/core.img" -p /boot/grub -c "$work/early.cfg" \
+  biosdisk part_gpt part_msdos ext2 search search_label normal configfile linux echo test \
+  serial terminal boot reboot
+core_sectors=$(( ($(stat -c %s "$work/core.img") + 511) / 512 ))
+[ "$core_sectors" -le 2048 ] || { echo "os image: core.img does not fit the BIOS boot partition" >&2; exit 1; }
+le64() { printf "$(printf '%016x' "$1" | sed -E 's/(..)(..)(..)(..)(..)(..)(..)(..)/\\x\8\\x\7\\x\6\\x\5\\x\4\\x\3\\x\2\\x\1/')"; }
+le64 2049 | dd of="$work/core.img" bs=1 seek=$((0x1f4)) conv=notrunc status=none
+dd if="$work/core.img" of="$loop" bs=512 seek=2048 conv=notrunc status=none
+cp /usr/lib/grub/i386-pc/boot.img "$work/boot.img"
+le64 2048 | dd of="$work/boot.img" bs=1 seek=$((0x5c)) conv=notrunc status=none
+dd if="$work/boot.img" of="$loop" bs=440 count=1 conv=notrunc status=none
+# UEFI: the removable-path loader on the ESP, filled with mtools.
+grub-mkimage -O x86_64-efi -o "$work/BOOTX64.EFI" -p /boot/grub -c "$work/early.cfg" \
+  part_gpt part_msdos ext2 fat search search_label normal configfile linux echo test \
+  all_video efi_gop serial terminal boot reboot
+export MTOOLS_SKIP_CHECK=1
+mmd -i "${loop}p2" ::/EFI ::/EFI/BOOT
+mcopy -i "${loop}p2" "$work/BOOTX64.EFI" ::/EFI/BOOT/BOOTX64.EFI
+mdir -i "${loop}p2" ::/EFI/BOOT | grep -q BOOTX64 || { echo "os image: UEFI GRUB missing" >&2; exit 1; }
 # One static grub.cfg for both: the kernel and initrd symlinks Debian keeps in /.
 cat > "$work/mnt/boot/grub/grub.cfg" <<'CFG'
 set timeout=1
@@ -88,7 +115,6 @@ menuentry "Debian (metalboot lab)" {
 }
 CFG
 [ -e "$work/mnt/vmlinuz" ] && [ -e "$work/mnt/initrd.img" ] || { echo "os image: /vmlinuz or /initrd.img missing" >&2; exit 1; }
-umount "$work/mnt/boot/efi"
 umount "$work/mnt"
 losetup -d "$loop"; loop=""
 
