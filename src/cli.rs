@@ -161,6 +161,16 @@ pub struct ManagerArgs {
     /// Directory served at /artifacts (kernels, initrds).
     #[arg(long)]
     pub artifacts_dir: Option<PathBuf>,
+    /// Kernel of the deploy ramdisk that image-mode hosts netboot to run `metalboot agent`
+    /// (a URL, or a path under --artifacts-dir). Without it image mode is refused.
+    #[arg(long, requires = "deploy_initrd")]
+    pub deploy_kernel: Option<String>,
+    /// Initramfs of the deploy ramdisk (with `metalboot agent` as its job).
+    #[arg(long, requires = "deploy_kernel")]
+    pub deploy_initrd: Option<String>,
+    /// Extra kernel arguments for the deploy ramdisk (the agent's URL is added).
+    #[arg(long, default_value = "console=ttyS0")]
+    pub deploy_cmdline: String,
     /// URL hosts use to reach the boot service, e.g. http://10.0.0.2:8080 (required when binding 0.0.0.0).
     #[arg(long)]
     pub advertise_url: Option<String>,
@@ -264,6 +274,15 @@ impl ManagerArgs {
             graceful_off: std::time::Duration::from_secs(self.graceful_off_seconds),
             deprovision_timeout: std::time::Duration::from_secs(self.deprovision_timeout_seconds),
             artifacts_dir: self.artifacts_dir.clone(),
+            deploy: self
+                .deploy_kernel
+                .as_ref()
+                .zip(self.deploy_initrd.as_ref())
+                .map(|(kernel, initrd)| crate::api::metalmachine::BootProfile {
+                    kernel: kernel.clone(),
+                    initrds: vec![initrd.clone()],
+                    cmdline: Some(self.deploy_cmdline.clone()),
+                }),
             tftp: (!self.no_tftp).then(|| (self.tftp_bind, self.tftp_root.clone())),
             ..Default::default()
         })

@@ -66,6 +66,8 @@ pub struct ManagerOptions {
     /// How long vendor-data waits for the bootstrap sentinel.
     pub sentinel_wait: Duration,
     pub artifacts_dir: Option<PathBuf>,
+    /// The deploy ramdisk image-mode hosts netboot (None: image mode is refused).
+    pub deploy: Option<crate::api::metalmachine::BootProfile>,
     /// TFTP for iPXE binaries: where it listens and what it serves (None: no TFTP).
     pub tftp: Option<(SocketAddr, PathBuf)>,
     /// How often memory kept about deleted objects is released (BMC sessions logged out).
@@ -124,6 +126,7 @@ impl Default for ManagerOptions {
             deprovision_timeout: Duration::from_secs(600),
             sentinel_wait: Duration::from_secs(3 * 3600),
             artifacts_dir: None,
+            deploy: None,
             tftp: None,
             janitor_interval: Duration::from_secs(60),
             http_limits: Default::default(),
@@ -502,7 +505,7 @@ async fn start_infrastructure(
             base_url: running.base_url.clone(),
             pin_source_ip: opts.pin_source_ip,
             sentinel_wait_seconds: opts.sentinel_wait.as_secs() as u32,
-            deploy: None,
+            deploy: opts.deploy.clone(),
         },
         client.clone(),
         callback_tx,

@@ -36,6 +36,19 @@ const ANN_POWERED_AT: &str = "metalboot.io/powered-at";
 /// its presence means "do not restart again".
 const ANN_DISK_BOOT_AT: &str = "metalboot.io/disk-boot-at";
 
+/// The host a boot Secret's attempt runs on, from its metadata alone (watches of metadata).
+pub fn boot_secret_host(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Option<&str> {
+    let labelled = meta
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(BOOT_TOKEN_LABEL));
+    labelled
+        .then(|| meta.annotations.as_ref()?.get(ANN_HOST).map(String::as_str))
+        .flatten()
+}
+
 /// Name of the boot Secret of a MetalMachine.
 pub fn boot_secret_name(metal_machine: &str) -> String {
     format!("{metal_machine}-boot")

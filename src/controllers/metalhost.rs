@@ -142,13 +142,70 @@ pub fn desired_state(host: &MetalHost, status: &MetalHostStatus, consumer: Consu
     }
 }
 
-/// Applies the derived state and what goes with it (error fields, the consumer condition).
+/// What the deploy agent inspected on this host during its consumer's current attempt (kept on
+/// the attempt's boot Secret by the boot service). One store lookup: the boot Secret is named
+/// after the consumer.
+pub fn agent_inspection(
+    host: &MetalHost,
+    boot_secrets: &Store<Secret>,
+) -> Option<HardwareInventory> {
+    let consumer = host.spec.consumer_ref.as_ref()?;
+    let secret = boot_secrets.get(
+        &ObjectRef::new(&crate::boot::tokens::boot_secret_name(&consumer.name))
+            .within(&consumer.namespace),
+    )?;
+    let record = crate::boot::tokens::parse_boot_secret(&secret).ok()?;
+    (record.host == host.name_any()).then_some(record.inspection?)
+}
+
+/// The deploy agent's inspection over what the BMC reported: the agent sees CPUs, memory, disks,
+/// link state and firmware mode from inside the host; the BMC's identity fields (manufacturer,
+/// model, serial number, UUID, firmware version) and NIC names are kept where the agent has none.
+pub fn merge_inspection(
+    bmc: Option<&HardwareInventory>,
+    agent: &HardwareInventory,
+) -> HardwareInventory {
+    let mut merged = agent.clone();
+    let Some(bmc) = bmc else {
+        return merged;
+    };
+    let keep = |mine: &mut Option<String>, theirs: &Option<String>| {
+        if mine.is_none() {
+            mine.clone_from(theirs);
+        }
+    };
+    keep(&mut merged.manufacturer, &bmc.manufacturer);
+    keep(&mut merged.model, &bmc.model);
+    keep(&mut merged.serial_number, &bmc.serial_number);
+    keep(&mut merged.system_uuid, &bmc.system_uuid);
+    keep(&mut merged.bios_version, &bmc.bios_version);
+    for nic in &mut merged.nics {
+        let named = bmc.nics.iter().find(|b| {
+            b.mac.as_deref().map(str::to_ascii_lowercase)
+                == nic.mac.as_deref().map(str::to_ascii_lowercase)
+        });
+        if let Some(b) = named {
+            keep(&mut nic.name, &b.name);
+        }
+    }
+    for (k, v) in &bmc.extra {
+        merged.extra.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    merged
+}
+
+/// Applies the derived state and what goes with it (error fields, the consumer condition, the
+/// deploy agent's inspection).
 fn settle(
     host: &MetalHost,
     mut status: MetalHostStatus,
     consumer: Consumer,
+    inspection: Option<&HardwareInventory>,
     now: &Time,
 ) -> MetalHostStatus {
+    if let Some(agent) = inspection {
+        status.hardware = Some(merge_inspection(status.hardware.as_ref(), agent));
+    }
     let generation = host.metadata.generation;
     let state = desired_state(host, &status, consumer);
     status.state = Some(state);
@@ -340,6 +397,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
     let interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
+    let inspection = agent_inspection(&host, &ctx.stores.boot_secrets);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
     label_secrets_for_move(ctx, &host).await;
     match plan(&host, now.0, interval) {
@@ -404,7 +462,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let failed = result.as_ref().err().cloned();
             let mut status = registration_status(&host, result, &now);
             if failed.is_none() {
-                status = settle(&host, status, consumer, &now);
+                status = settle(&host, status, consumer, inspection.as_ref(), &now);
             }
             status.conditions.retain(|c| c.type_ != PAUSED);
             write_status(&api, &host, &status).await?;
@@ -493,7 +551,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 ctx.power_requests.forget(&host_key);
             }
             let polled = poll_status(status, host.metadata.generation, power, &now);
-            let status = settle(&host, polled, consumer, &now);
+            let status = settle(&host, polled, consumer, inspection.as_ref(), &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
@@ -504,7 +562,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             };
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
-            let status = settle(&host, polled, consumer, &now);
+            let status = settle(&host, polled, consumer, inspection.as_ref(), &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
@@ -514,6 +572,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 &host,
                 host.status.clone().unwrap_or_default(),
                 consumer,
+                inspection.as_ref(),
                 &now,
             );
             if status.state != previous_state {
@@ -616,11 +675,12 @@ pub fn controller(
                 &secret.namespace().unwrap_or_default(),
                 &secret.name_any(),
             );
-            hosts_using(
-                &store,
-                &secret.namespace().unwrap_or_default(),
-                &secret.name_any(),
-            )
+            let namespace = secret.namespace().unwrap_or_default();
+            // A boot Secret wakes its host: the deploy agent's inspection lands there.
+            if let Some(host) = crate::boot::tokens::boot_secret_host(&secret.metadata) {
+                return vec![ObjectRef::new(host).within(&namespace)];
+            }
+            hosts_using(&store, &namespace, &secret.name_any())
         })
         .watches_shared_stream(machines, move |mm: Arc<MetalMachine>| {
             let namespace = mm.namespace().unwrap_or_default();
@@ -658,6 +718,50 @@ pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
 
 #[cfg(test)]
 mod tests {
+    /// The agent's view wins where it has one; the BMC's identity fields and NIC names stay.
+    #[test]
+    fn the_agents_inspection_is_merged_over_the_bmcs() {
+        use crate::api::metalhost::{CpuInfo, DiskInfo, NicInfo};
+        let bmc = HardwareInventory {
+            manufacturer: Some("QEMU".into()),
+            serial_number: Some("SN-1".into()),
+            memory_mib: Some(2048),
+            nics: vec![NicInfo {
+                name: Some("NIC.1".into()),
+                mac: Some("52:54:00:AA:00:01".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let agent = HardwareInventory {
+            cpu: Some(CpuInfo {
+                count: 4,
+                ..Default::default()
+            }),
+            memory_mib: Some(1000),
+            disks: vec![DiskInfo {
+                name: "vda".into(),
+                size_bytes: 8 << 30,
+                ..Default::default()
+            }],
+            nics: vec![NicInfo {
+                mac: Some("52:54:00:aa:00:01".into()),
+                link_up: Some(true),
+                ..Default::default()
+            }],
+            firmware_mode: Some("BIOS".into()),
+            ..Default::default()
+        };
+        let merged = super::merge_inspection(Some(&bmc), &agent);
+        assert_eq!(merged.manufacturer.as_deref(), Some("QEMU"));
+        assert_eq!(merged.serial_number.as_deref(), Some("SN-1"));
+        assert_eq!(merged.memory_mib, Some(1000), "the agent's memory");
+        assert_eq!(merged.disks.len(), 1);
+        assert_eq!(merged.nics[0].name.as_deref(), Some("NIC.1"));
+        assert_eq!(merged.nics[0].link_up, Some(true));
+        assert_eq!(super::merge_inspection(None, &agent), agent);
+    }
+
     use super::*;
     use crate::api::metalhost::{ConsumerReference, MetalHostSpec};
 
@@ -795,7 +899,7 @@ mod tests {
         );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
         let status = registration_status(&claimed, Ok((PowerState::On, None, None)), &now);
-        let kept = settle(&claimed, status, Consumer::Provisioned, &now);
+        let kept = settle(&claimed, status, Consumer::Provisioned, None, &now);
         assert_eq!(kept.state, Some(HostState::Provisioned));
     }
 
