@@ -116,11 +116,11 @@ pub struct MetalMachineSpec {
 /// Minimum hardware for a host (`spec.hostHardware`).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
 pub struct HardwareRequirements {
-    /// Least number of CPUs (the BMC's processor count).
+    /// Least number of CPUs.
     #[serde(default, rename = "minCPUs", skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub min_cpus: Option<i32>,
-    /// Least memory in GiB (the BMC's total system memory).
+    /// Least memory in GiB.
     #[serde(
         default,
         rename = "minMemoryGiB",
@@ -128,20 +128,39 @@ pub struct HardwareRequirements {
     )]
     #[schemars(range(min = 1))]
     pub min_memory_gib: Option<i32>,
+    /// A disk of at least this many GiB (the deploy agent's inspection of the host's disks).
+    #[serde(default, rename = "minDiskGiB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub min_disk_gib: Option<i32>,
 }
 
 impl HardwareRequirements {
-    /// Whether `hardware` is known to meet every requirement.
+    /// Whether `hardware` is known to meet every requirement. The deploy agent's inspection
+    /// (typed fields) is preferred; the BMC's figures (`extra`) stand in where it has none.
     pub fn met_by(&self, hardware: Option<&crate::api::metalhost::HardwareInventory>) -> bool {
-        let fact = |key: &str| {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let reported = |key: &str| {
             hardware
                 .and_then(|h| h.extra.get(key))
                 .and_then(|v| v.trim().parse::<f64>().ok())
         };
-        let enough = |need: Option<i32>, key: &str| {
-            need.is_none_or(|need| fact(key).is_some_and(|have| have >= f64::from(need)))
+        let cpus = hardware
+            .and_then(|h| h.cpu.as_ref())
+            .map(|c| f64::from(c.count))
+            .or_else(|| reported("cpuCount"));
+        let memory_gib = hardware
+            .and_then(|h| h.memory_mib)
+            .map(|m| m as f64 / 1024.0)
+            .or_else(|| reported("memoryGiB"));
+        let largest_disk_gib = hardware
+            .and_then(|h| h.disks.iter().map(|d| d.size_bytes).max())
+            .map(|b| b as f64 / GIB);
+        let enough = |need: Option<i32>, have: Option<f64>| {
+            need.is_none_or(|need| have.is_some_and(|have| have >= f64::from(need)))
         };
-        enough(self.min_cpus, "cpuCount") && enough(self.min_memory_gib, "memoryGiB")
+        enough(self.min_cpus, cpus)
+            && enough(self.min_memory_gib, memory_gib)
+            && enough(self.min_disk_gib, largest_disk_gib)
     }
 }
 

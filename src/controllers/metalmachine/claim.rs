@@ -272,33 +272,78 @@ mod tests {
             }
             Arc::new(h)
         };
+        // Inspected by the deploy agent: typed figures, and its disks.
+        let agent = {
+            let mut h = (*host("agent", HostState::Available, true, &[])).clone();
+            if let Some(status) = h.status.as_mut() {
+                status.hardware = Some(crate::api::metalhost::HardwareInventory {
+                    cpu: Some(crate::api::metalhost::CpuInfo {
+                        count: 16,
+                        ..Default::default()
+                    }),
+                    memory_mib: Some(32 * 1024),
+                    disks: vec![
+                        crate::api::metalhost::DiskInfo {
+                            name: "sda".into(),
+                            size_bytes: 200 << 30,
+                            ..Default::default()
+                        },
+                        crate::api::metalhost::DiskInfo {
+                            name: "nvme0n1".into(),
+                            size_bytes: 960 << 30,
+                            ..Default::default()
+                        },
+                    ],
+                    ..Default::default()
+                });
+            }
+            Arc::new(h)
+        };
         let hosts = vec![
             with("big", &[("cpuCount", "64"), ("memoryGiB", "512")]),
             with("small", &[("cpuCount", "4"), ("memoryGiB", "16")]),
             with("mute", &[]),
             host("uninspected", HostState::Available, true, &[]),
+            agent,
         ];
-        let need = |cpus: Option<i32>, mem: Option<i32>| {
+        let need_disk = |cpus: Option<i32>, mem: Option<i32>, disk: Option<i32>| {
             let mut m = mm(None);
             m.spec.host_hardware = Some(crate::api::metalmachine::HardwareRequirements {
                 min_cpus: cpus,
                 min_memory_gib: mem,
+                min_disk_gib: disk,
             });
             m
         };
+        let need = |cpus: Option<i32>, mem: Option<i32>| need_disk(cpus, mem, None);
         let rows = [
             (
                 "no requirement",
                 mm(None),
-                vec!["big", "mute", "small", "uninspected"],
+                vec!["agent", "big", "mute", "small", "uninspected"],
             ),
             (
-                "cpus met by both that say",
+                "cpus met by those that say",
                 need(Some(4), None),
-                vec!["big", "small"],
+                vec!["agent", "big", "small"],
             ),
             ("cpus and memory", need(Some(8), Some(64)), vec!["big"]),
-            ("memory only", need(None, Some(16)), vec!["big", "small"]),
+            (
+                "memory only",
+                need(None, Some(16)),
+                vec!["agent", "big", "small"],
+            ),
+            (
+                "a disk of 500 GiB: only the inspected host with one",
+                need_disk(None, None, Some(500)),
+                vec!["agent"],
+            ),
+            (
+                "cpus, memory and disk from the agent",
+                need_disk(Some(16), Some(32), Some(960)),
+                vec!["agent"],
+            ),
+            ("a disk too large for any", need_disk(None, None, Some(961)), vec![]),
         ];
         for (name, machine, want) in rows {
             assert_eq!(
