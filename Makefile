@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench bench-scale
+.PHONY: all deps os-image deploy-ramdisk control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench bench-scale
 
 all: test
 
@@ -22,8 +22,16 @@ sushy: deps
 replay:
 	@hack/redfish-replay.sh
 
+## os-image: the lab's installed OS, a Debian disk image with the real cloud-init (target/lab/os)
+os-image: deps
+	@hack/os-image/build.sh
+
+## deploy-ramdisk: kernel + busybox initramfs running `metalboot agent` (target/lab/deploy)
+deploy-ramdisk: deps
+	@hack/deploy-ramdisk/build.sh
+
 ## test: the whole suite against a real control plane and a real Redfish emulator
-test: deps control-plane capi sushy replay
+test: deps control-plane capi sushy replay os-image deploy-ramdisk
 	@CARGO=$(CARGO) hack/test.sh
 
 ## soak: SIGKILL the manager at random points while five hosts provision (CYCLES=50 for a long run)

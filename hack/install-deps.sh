@@ -14,6 +14,7 @@ packages=(
   busybox-static cpio kmod    # the lab OS initramfs
   mmdebstrap qemu-utils       # the lab's installed OS: a Debian disk image, and its qcow2 form
   grub-pc-bin grub-efi-amd64-bin grub2-common dosfstools mtools  # its boot loader for SeaBIOS and OVMF
+  musl-tools xz-utils zstd     # the deploy ramdisk: metalboot agent as a static musl binary
 )
 missing=()
 for p in "${packages[@]}"; do

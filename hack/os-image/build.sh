@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the lab's installed OS: a Debian bookworm disk image with systemd, Debian's kernel, the
 # real cloud-init and GRUB for both BIOS (SeaBIOS) and UEFI (OVMF), from Debian's packages with
-# mmdebstrap. Output: target/lab/os/debian.raw (sparse) and debian.qcow2 (compressed), and their
+# mmdebstrap. Output: target/lab/os/debian.raw (sparse), debian.raw.gz and debian.qcow2, and their
 # sha256/sha512 sums. Cached: rebuilt only when this directory's files change.
 #
 # GPT layout: 1 BIOS boot partition (core.img), 2 EFI system partition (removable-path GRUB),
@@ -17,7 +17,7 @@ suite=bookworm
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 mkdir -p "$out"
 want="$(cat "$here"/* | sha256sum | cut -c1-16) $size $suite"
-if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/debian.raw" ] && [ -s "$out/debian.qcow2" ]; then
+if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/debian.raw" ] && [ -s "$out/debian.raw.gz" ] && [ -s "$out/debian.qcow2" ]; then
   echo "os image: reusing $out"
   exit 0
 fi
@@ -100,8 +100,8 @@ grub-mkimage -O x86_64-efi -o "$work/BOOTX64.EFI" -p /boot/grub -c "$work/early.
   part_gpt part_msdos ext2 fat search search_label normal configfile linux echo test \
   all_video efi_gop serial terminal boot reboot
 export MTOOLS_SKIP_CHECK=1
-mmd -i "${loop}p2" ::/EFI ::/EFI/BOOT
-mcopy -i "${loop}p2" "$work/BOOTX64.EFI" ::/EFI/BOOT/BOOTX64.EFI
+mmd -i "${loop}p2" ::/EFI ::/EFI/BOOT 2>/dev/null  # "could not get geometry": a partition, not a drive
+mcopy -i "${loop}p2" "$work/BOOTX64.EFI" ::/EFI/BOOT/BOOTX64.EFI 2>/dev/null
 mdir -i "${loop}p2" ::/EFI/BOOT | grep -q BOOTX64 || { echo "os image: UEFI GRUB missing" >&2; exit 1; }
 # One static grub.cfg for both: the kernel and initrd symlinks Debian keeps in /.
 cat > "$work/mnt/boot/grub/grub.cfg" <<'CFG'
@@ -120,9 +120,11 @@ losetup -d "$loop"; loop=""
 
 echo "os image: writing raw and qcow2"
 qemu-img convert -c -O qcow2 "$work/disk.raw" "$out/debian.qcow2.new"
+gzip -1 -c "$work/disk.raw" > "$out/debian.raw.gz.new"
 cp --sparse=always "$work/disk.raw" "$out/debian.raw.new"
 mv "$out/debian.raw.new" "$out/debian.raw"
 mv "$out/debian.qcow2.new" "$out/debian.qcow2"
-(cd "$out" && sha256sum debian.raw debian.qcow2 > SHA256SUMS && sha512sum debian.raw debian.qcow2 > SHA512SUMS)
+mv "$out/debian.raw.gz.new" "$out/debian.raw.gz"
+(cd "$out" && sha256sum debian.raw debian.raw.gz debian.qcow2 > SHA256SUMS && sha512sum debian.raw debian.raw.gz debian.qcow2 > SHA512SUMS)
 echo "$want" > "$out/.stamp"
 echo "os image: built $out (raw $(du -h --apparent-size "$out/debian.raw" | cut -f1), $(du -h "$out/debian.raw" | cut -f1) used; qcow2 $(du -h "$out/debian.qcow2" | cut -f1)) in $(( $(date +%s) - start ))s"

@@ -129,7 +129,11 @@ pub struct HardwareRequirements {
     #[schemars(range(min = 1))]
     pub min_memory_gib: Option<i32>,
     /// A disk of at least this many GiB (the deploy agent's inspection of the host's disks).
-    #[serde(default, rename = "minDiskGiB", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "minDiskGiB",
+        skip_serializing_if = "Option::is_none"
+    )]
     #[schemars(range(min = 1))]
     pub min_disk_gib: Option<i32>,
 }

@@ -137,6 +137,25 @@ pub async fn boot_state(
     base_url: &str,
     pin_source_ip: bool,
 ) -> (Arc<BootState>, mpsc::UnboundedReceiver<CallbackNotice>) {
+    boot_state_with(
+        client,
+        ns,
+        BootConfig {
+            base_url: base_url.to_string(),
+            pin_source_ip,
+            sentinel_wait_seconds: 600,
+            deploy: None,
+        },
+    )
+    .await
+}
+
+/// As `boot_state`, with the whole configuration given.
+pub async fn boot_state_with(
+    client: &kube::Client,
+    ns: &str,
+    config: BootConfig,
+) -> (Arc<BootState>, mpsc::UnboundedReceiver<CallbackNotice>) {
     let stores = BootStores {
         hosts: watch_store(
             Api::namespaced(client.clone(), ns),
@@ -159,18 +178,7 @@ pub async fn boot_state(
         assert!(ready, "store did not sync");
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let state = BootState::new(
-        stores,
-        BootConfig {
-            base_url: base_url.to_string(),
-            pin_source_ip,
-            sentinel_wait_seconds: 600,
-            deploy: None,
-        },
-        client.clone(),
-        tx,
-    )
-    .expect("boot state");
+    let state = BootState::new(stores, config, client.clone(), tx).expect("boot state");
     state.wait_for_stores().await;
     (Arc::new(state), rx)
 }

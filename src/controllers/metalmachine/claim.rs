@@ -343,7 +343,11 @@ mod tests {
                 need_disk(Some(16), Some(32), Some(960)),
                 vec!["agent"],
             ),
-            ("a disk too large for any", need_disk(None, None, Some(961)), vec![]),
+            (
+                "a disk too large for any",
+                need_disk(None, None, Some(961)),
+                vec![],
+            ),
         ];
         for (name, machine, want) in rows {
             assert_eq!(
