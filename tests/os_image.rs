@@ -398,13 +398,9 @@ async fn uefi_boot_with_a_failing_command_never_calls_back() {
     assert!(a.callbacks.try_recv().is_err(), "callback notice");
 }
 
-/// The whole install on one host, as real as it runs here: SeaBIOS and the NIC's real iPXE fetch
-/// the boot service's script, which sends the deploy ramdisk (hack/deploy-ramdisk: busybox and
-/// `metalboot agent` as a static musl binary); the agent inspects the host, streams the real OS
-/// image (gzip, sha256 checked on the way) onto the empty virtio disk and seeds it; the disk then
-/// boots the installed OS, whose real cloud-init runs the user-data and calls back.
-#[tokio::test]
-async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
+/// The deploy ramdisk and the OS image served from a fresh artifacts directory; `checksum`
+/// defaults to the image's real sha256.
+fn served(checksum: Option<String>) -> (tempfile::TempDir, Served) {
     let project = Path::new(env!("CARGO_MANIFEST_DIR"));
     let ramdisk = project.join("target/lab/deploy");
     let os = os_image().with_file_name("debian.raw.gz");
@@ -420,7 +416,7 @@ async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
         );
     }
     let sums = std::fs::read_to_string(os.with_file_name("SHA256SUMS")).expect("SHA256SUMS");
-    let checksum = sums
+    let real = sums
         .lines()
         .find(|l| l.ends_with(" debian.raw.gz"))
         .and_then(|l| l.split_whitespace().next())
@@ -446,26 +442,31 @@ async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
         },
         image: ImageSpec {
             url: "debian.raw.gz".into(),
-            checksum,
+            checksum: checksum.unwrap_or(real),
             checksum_type: ChecksumType::Sha256,
             format: ImageFormat::Gzip,
         },
     };
-    let mut a = attempt(
-        "os-deploy",
-        &[&format!("echo '{RAN}' > /dev/console")],
-        Some(&served),
-    )
-    .await;
-    let dir = tempfile::tempdir().expect("tmp");
-    let disk = dir.path().join("disk.raw");
+    (artifacts, served)
+}
+
+/// SeaBIOS and the NIC's real iPXE network-boot the deploy ramdisk from the boot service, with
+/// an empty 4 GiB virtio disk; returns once the agent reported its outcome on the boot Secret.
+async fn deploy_stage(
+    a: &Attempt,
+    dir: &Path,
+) -> (
+    PathBuf,
+    metalboot::agent::protocol::DeployReport,
+    tokio::process::Child,
+    String,
+) {
+    let disk = dir.join("disk.raw");
     std::fs::File::create(&disk)
         .and_then(|f| f.set_len(4 << 30))
         .expect("empty disk");
-
-    // Stage 1: network boot into the deploy ramdisk.
-    let console = dir.path().join("deploy-console.log");
-    let mut deploy = tokio::process::Command::new("qemu-system-x86_64")
+    let console = dir.join("deploy-console.log");
+    let deploy = tokio::process::Command::new("qemu-system-x86_64")
         .args(["-machine", "pc,accel=tcg", "-m", "1024", "-smp", "1"])
         .args(["-display", "none", "-monitor", "none"])
         .args(["-serial", &format!("file:{}", console.display())])
@@ -489,7 +490,7 @@ async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
         || String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
     let finished =
         support::eventually_or("the agent's outcome on the boot Secret", 900, || async {
-            boot_record(&a)
+            boot_record(a)
                 .await
                 .deploy
                 .filter(|d| d.state != metalboot::agent::protocol::DeployState::Writing)
@@ -498,11 +499,30 @@ async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
     let Some(report) = finished else {
         panic!("no outcome; console:\n{}", tail(&console_text(), 8000));
     };
+    (disk, report, deploy, console_text())
+}
+
+/// The whole install on one host, as real as it runs here: SeaBIOS and the NIC's real iPXE fetch
+/// the boot service's script, which sends the deploy ramdisk (hack/deploy-ramdisk: busybox and
+/// `metalboot agent` as a static musl binary); the agent inspects the host, streams the real OS
+/// image (gzip, sha256 checked on the way) onto the empty virtio disk and seeds it; the disk then
+/// boots the installed OS, whose real cloud-init runs the user-data and calls back.
+#[tokio::test]
+async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
+    let (_artifacts, served) = served(None);
+    let mut a = attempt(
+        "os-deploy",
+        &[&format!("echo '{RAN}' > /dev/console")],
+        Some(&served),
+    )
+    .await;
+    let dir = tempfile::tempdir().expect("tmp");
+    let (disk, report, mut deploy, console) = deploy_stage(&a, dir.path()).await;
     assert_eq!(
         report.state,
         metalboot::agent::protocol::DeployState::Written,
         "{report:?}\n{}",
-        tail(&console_text(), 8000)
+        tail(&console, 8000)
     );
     assert_eq!(report.device.as_deref(), Some("vda"), "{report:?}");
     let record = boot_record(&a).await;
@@ -544,4 +564,48 @@ async fn the_deploy_agent_installs_the_os_which_boots_and_calls_back() {
     assert_eq!(notice.metal_machine, a.machine);
     guest.until_console(FINISHED, 1, 300).await;
     assert_eq!(guest.count(RAN), 1);
+}
+
+/// A wrong checksum: the real agent streams the whole image, finds the digest differs, wipes
+/// what it wrote and reports `ImageChecksumMismatch`; the disk holds no partition table after.
+#[tokio::test]
+async fn a_wrong_checksum_is_reported_and_the_disk_is_wiped() {
+    let (_artifacts, served) = served(Some("ab".repeat(32)));
+    let a = attempt("os-badsum", &["true"], Some(&served)).await;
+    let dir = tempfile::tempdir().expect("tmp");
+    let (disk, report, mut deploy, console) = deploy_stage(&a, dir.path()).await;
+    let _ = deploy.kill().await;
+    let _ = deploy.wait().await;
+    assert_eq!(
+        report.state,
+        metalboot::agent::protocol::DeployState::Failed,
+        "{report:?}\n{}",
+        tail(&console, 8000)
+    );
+    assert_eq!(
+        report.reason.as_deref(),
+        Some("ImageChecksumMismatch"),
+        "{report:?}"
+    );
+    let mib_at = |offset: u64| {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open(&disk).expect("disk");
+        f.seek(SeekFrom::Start(offset)).expect("seek");
+        let mut buf = vec![0u8; 1 << 20];
+        f.read_exact(&mut buf).expect("read");
+        buf
+    };
+    assert!(
+        mib_at(0).iter().all(|b| *b == 0),
+        "the first MiB (MBR, GPT) was not wiped"
+    );
+    assert!(
+        mib_at((4 << 30) - (1 << 20)).iter().all(|b| *b == 0),
+        "the last MiB (backup GPT) was not wiped"
+    );
+    assert!(
+        report.message.as_deref().is_some_and(|m| !m.is_empty()),
+        "the failure says what differed: {report:?}"
+    );
+    assert!(boot_record(&a).await.callback.is_none());
 }
