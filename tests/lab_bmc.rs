@@ -27,6 +27,7 @@ async fn the_lab_bmc_passes_the_redfish_conformance_suite() {
         dir: dir.path().join("lab-host-0"),
         accel: Accel::Tcg,
         graceful_seconds: 2,
+        disk: None,
     }));
     let bmc = Arc::new(VirtualBmc::new(
         vec![host.clone()],

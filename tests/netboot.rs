@@ -159,6 +159,7 @@ async fn bios_uefi_pxe_and_uefi_http_boot_hosts_chain_to_the_boot_service_over_a
             dir: dir.path().join(name),
             accel: Accel::Tcg,
             graceful_seconds: 1,
+            disk: None,
         });
         host.power_on().await.expect("power on");
         qemus.push(host);

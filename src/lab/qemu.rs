@@ -75,6 +75,9 @@ pub struct QemuHostSpec {
     pub accel: Accel,
     /// Seconds a graceful power-off waits for the guest before forcing it.
     pub graceful_seconds: u64,
+    /// The host's disk (a raw file, virtio), which the deploy agent writes and the host boots
+    /// after the network when the network boot exits; None: diskless.
+    pub disk: Option<PathBuf>,
 }
 
 /// The one-time boot override a BMC client requested.
@@ -193,6 +196,8 @@ impl QemuHost {
         let _ = std::fs::remove_file(self.qmp_socket());
         let once = inner.boot.enabled != "Disabled"
             && (inner.boot.target == "Pxe" || inner.boot.target == "UefiHttp");
+        // A one-time (or continuous) disk boot puts the disk before the NIC.
+        let disk_first = inner.boot.enabled != "Disabled" && inner.boot.target == "Hdd";
         let mut cmd = match &self.spec.network {
             HostNetwork::User { .. } => Command::new("qemu-system-x86_64"),
             HostNetwork::Tap { netns, .. } => {
@@ -253,6 +258,22 @@ impl QemuHost {
                 ),
             ])
             .args(["-boot", if once { "once=n" } else { "order=cn" }])
+            .args(self.spec.disk.iter().flat_map(|disk| {
+                [
+                    "-drive".to_string(),
+                    format!("file={},format=raw,if=none,id=disk0", disk.display()),
+                    "-device".to_string(),
+                    format!(
+                        "virtio-blk-pci,drive=disk0,serial={}{}",
+                        self.spec.name,
+                        if disk_first {
+                            ",bootindex=0"
+                        } else {
+                            ",bootindex=2"
+                        }
+                    ),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(
@@ -264,7 +285,7 @@ impl QemuHost {
             ))
             .kill_on_drop(true);
         let child = cmd.spawn().map_err(spawn_err)?;
-        if once && inner.boot.enabled == "Once" {
+        if (once || disk_first) && inner.boot.enabled == "Once" {
             inner.boot.enabled = "Disabled".into();
             inner.boot.target = "None".into();
         }

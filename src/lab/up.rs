@@ -353,6 +353,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             dir: dir.join("hosts").join(format!("lab-host-{i}")),
             accel,
             graceful_seconds: 5,
+            disk: None,
         })));
     }
     for h in &hosts {

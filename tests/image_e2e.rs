@@ -1,0 +1,369 @@
+//! Image mode end to end on one real QEMU host behind the lab's virtual BMC, driven by the real
+//! manager (controllers and boot service) against the real apiserver: the MetalMachine claims
+//! the host, the controller powers it on for a network boot over Redfish, real iPXE loads the
+//! deploy ramdisk, `metalboot agent` inspects the host (→ `MetalHost.status.hardware`) and writes
+//! the real Debian image to the virtio disk; the controller restarts the host into its disk over
+//! the BMC; the installed OS's real cloud-init runs the user-data and calls back; the machine is
+//! provisioned. Then a power cycle through the BMC boots the installed OS again: no new token,
+//! the machine stays provisioned, the user-data does not run twice.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::ResourceExt;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use metalboot::api::capi::{Cluster, ClusterSpec, Machine, MachineBootstrap, MachineSpec};
+use metalboot::api::cloudinitconfig::CloudInitConfigSpec;
+use metalboot::api::common::ContractVersionedObjectReference;
+use metalboot::api::metalhost::{BmcDetails, HostState, MetalHostSpec};
+use metalboot::api::metalmachine::{
+    BootProfile, ChecksumType, ImageFormat, ImageSpec, MetalMachineSpec, ProvisioningMode,
+};
+use metalboot::api::{MetalHost, MetalMachine};
+use metalboot::bmc::redfish::{RedfishBmc, RedfishOptions};
+use metalboot::bmc::{Bmc, Credentials, PowerAction};
+use metalboot::controllers::cloudinitconfig::render;
+use metalboot::lab::qemu::{Accel, Firmware, HostNetwork, QemuHost, QemuHostSpec};
+use metalboot::lab::vbmc::{VirtualBmc, serve_on_loopback};
+use metalboot::manager::ManagerOptions;
+use support::boot::install_crds;
+
+const MAC: &str = "52:54:00:6d:62:10";
+const USER: &str = "admin";
+const PASSWORD: &str = "image-e2e-bmc";
+const RAN: &str = "metalboot-e2e: user-data ran";
+
+fn console(host: &QemuHost) -> String {
+    String::from_utf8_lossy(&std::fs::read(host.serial_log()).unwrap_or_default()).into_owned()
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let mut start = s.len().saturating_sub(n);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+/// The deploy ramdisk and the image, as `make test` builds them, in a fresh artifacts directory.
+fn artifacts(dir: &Path) -> String {
+    let project = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let os = project.join("target/lab/os");
+    let ramdisk = project.join("target/lab/deploy");
+    for (from, to) in [
+        (ramdisk.join("vmlinuz"), "deploy-vmlinuz"),
+        (ramdisk.join("initrd.gz"), "deploy-initrd.gz"),
+        (os.join("debian.raw.gz"), "debian.raw.gz"),
+    ] {
+        assert!(
+            from.exists(),
+            "{} is missing: `make test` builds it",
+            from.display()
+        );
+        let to = dir.join(to);
+        if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).expect("copy artifact");
+        }
+    }
+    std::fs::read_to_string(os.join("SHA256SUMS"))
+        .expect("SHA256SUMS")
+        .lines()
+        .find(|l| l.ends_with(" debian.raw.gz"))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("debian.raw.gz in SHA256SUMS")
+        .to_string()
+}
+
+#[tokio::test]
+async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_cycle() {
+    metalboot::telemetry::init(
+        metalboot::telemetry::LogFormat::Text,
+        Some("info,metalboot=debug,kube_runtime=warn"),
+    );
+    let ns = support::namespace("image-e2e").await;
+    install_crds(&ns.client).await;
+    let client = &ns.client;
+    let work = tempfile::tempdir().expect("tmp");
+    let served = work.path().join("artifacts");
+    std::fs::create_dir_all(&served).expect("artifacts dir");
+    let checksum = artifacts(&served);
+
+    // The boot service's port, chosen now: the guest's iPXE is told it before the manager runs.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let disk = work.path().join("host-0.raw");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(4 << 30))
+        .expect("disk");
+    let host = Arc::new(QemuHost::new(QemuHostSpec {
+        name: "host-0".into(),
+        uuid: "6d62a1b0-0000-4000-8000-0000000000e2".into(),
+        mac: MAC.into(),
+        memory_mib: 1024,
+        network: HostNetwork::User {
+            bootfile_url: format!("http://10.0.2.2:{port}/boot.ipxe"),
+        },
+        firmware: Firmware::Bios,
+        dir: work.path().join("host-0"),
+        accel: Accel::Tcg,
+        graceful_seconds: 5,
+        disk: Some(disk.clone()),
+    }));
+    let bmc = Arc::new(VirtualBmc::new(
+        vec![host.clone()],
+        USER.into(),
+        PASSWORD.into(),
+    ));
+    let bmc_port = serve_on_loopback(bmc).await.expect("virtual BMC");
+    let bmc_address = format!("redfish+http://127.0.0.1:{bmc_port}/redfish/v1/Systems/host-0");
+
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    secrets
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: ObjectMeta {
+                    name: Some("bmc-credentials".into()),
+                    ..Default::default()
+                },
+                string_data: Some(BTreeMap::from([
+                    ("username".to_string(), USER.to_string()),
+                    ("password".to_string(), PASSWORD.to_string()),
+                ])),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("credentials");
+    Api::<MetalHost>::namespaced(client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &MetalHost::new(
+                "host-0",
+                MetalHostSpec {
+                    bmc: BmcDetails {
+                        address: bmc_address.clone(),
+                        credentials_name: "bmc-credentials".into(),
+                        disable_certificate_verification: None,
+                        ca_secret_name: None,
+                    },
+                    boot_mac_address: MAC.into(),
+                    boot_ip_address: None,
+                    boot_mode: None,
+                    online: true,
+                    description: None,
+                    consumer_ref: None,
+                },
+            ),
+        )
+        .await
+        .expect("MetalHost");
+
+    let clusters: Api<Cluster> = Api::namespaced(client.clone(), &ns.name);
+    clusters
+        .create(
+            &PostParams::default(),
+            &Cluster::new("c1", ClusterSpec::default()),
+        )
+        .await
+        .expect("Cluster");
+    clusters
+        .patch_status(
+            "c1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"initialization": {"infrastructureProvisioned": true}}})),
+        )
+        .await
+        .expect("Cluster status");
+    let user_data = render(
+        &CloudInitConfigSpec {
+            commands: vec![format!("echo '{RAN}' > /dev/console")],
+            ..Default::default()
+        },
+        &Default::default(),
+    )
+    .expect("render");
+    secrets
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: ObjectMeta {
+                    name: Some("node-bootstrap".into()),
+                    ..Default::default()
+                },
+                data: Some(BTreeMap::from([(
+                    "value".to_string(),
+                    ByteString(user_data.into_bytes()),
+                )])),
+                type_: Some("cluster.x-k8s.io/secret".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("bootstrap Secret");
+    let machine = Api::<Machine>::namespaced(client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &Machine::new(
+                "node",
+                MachineSpec {
+                    cluster_name: "c1".into(),
+                    bootstrap: MachineBootstrap {
+                        data_secret_name: Some("node-bootstrap".into()),
+                        ..Default::default()
+                    },
+                    infrastructure_ref: ContractVersionedObjectReference {
+                        api_group: "infrastructure.cluster.x-k8s.io".into(),
+                        kind: "MetalMachine".into(),
+                        name: "node".into(),
+                    },
+                    ..Default::default()
+                },
+            ),
+        )
+        .await
+        .expect("Machine");
+
+    let _manager = metalboot::manager::start(
+        client.clone(),
+        ManagerOptions {
+            namespace: Some(ns.name.clone()),
+            boot_http: format!("127.0.0.1:{port}").parse().expect("addr"),
+            advertise_url: Some(format!("http://10.0.2.2:{port}")),
+            artifacts_dir: Some(served.clone()),
+            deploy: Some(BootProfile {
+                kernel: "deploy-vmlinuz".into(),
+                initrds: vec!["deploy-initrd.gz".into()],
+                cmdline: Some("console=ttyS0".into()),
+            }),
+            power_poll_interval: Duration::from_secs(10),
+            graceful_off: Duration::from_secs(5),
+            deprovision_timeout: Duration::from_secs(60),
+            bmc_timeout: Duration::from_secs(10),
+            janitor_interval: Duration::from_secs(5),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("manager starts");
+
+    let mut mm = MetalMachine::new(
+        "node",
+        MetalMachineSpec {
+            mode: ProvisioningMode::Image,
+            image: Some(ImageSpec {
+                url: "debian.raw.gz".into(),
+                checksum,
+                checksum_type: ChecksumType::Sha256,
+                format: ImageFormat::Gzip,
+            }),
+            boot_timeout_seconds: Some(900),
+            boot_retries: Some(0),
+            ..Default::default()
+        },
+    );
+    mm.metadata.labels = Some(BTreeMap::from([(
+        "cluster.x-k8s.io/cluster-name".to_string(),
+        "c1".to_string(),
+    )]));
+    mm.metadata.owner_references = Some(vec![OwnerReference {
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "Machine".into(),
+        name: "node".into(),
+        uid: machine.uid().expect("uid"),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }]);
+    let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
+    machines
+        .create(&PostParams::default(), &mm)
+        .await
+        .expect("MetalMachine");
+
+    let provisioned = support::eventually_or("the MetalMachine provisioned", 1500, || async {
+        machines
+            .get("node")
+            .await
+            .ok()
+            .filter(|m| m.spec.provider_id.is_some())
+    })
+    .await;
+    let Some(provisioned) = provisioned else {
+        let mm = machines.get("node").await.ok();
+        panic!(
+            "not provisioned: {:#?}\nconsole:\n{}",
+            mm.and_then(|m| m.status),
+            tail(&console(&host), 8000)
+        );
+    };
+    let hosts: Api<MetalHost> = Api::namespaced(client.clone(), &ns.name);
+    let metal_host = hosts.get("host-0").await.expect("host");
+    let status = metal_host.status.clone().unwrap_or_default();
+    assert_eq!(status.state, Some(HostState::Provisioned), "{status:?}");
+    let hardware = status.hardware.expect("hardware");
+    let vda = hardware
+        .disks
+        .iter()
+        .find(|d| d.name == "vda")
+        .unwrap_or_else(|| panic!("the agent's disks are not on the host: {hardware:?}"));
+    assert_eq!(vda.size_bytes, 4 << 30);
+    assert_eq!(vda.serial_number.as_deref(), Some("host-0"));
+    assert_eq!(hardware.firmware_mode.as_deref(), Some("BIOS"));
+    let first = console(&host);
+    assert_eq!(first.matches(RAN).count(), 1, "{}", tail(&first, 8000));
+    assert!(
+        first.contains("metalboot agent") || first.contains("metalboot::agent"),
+        "the deploy agent ran on this host:\n{}",
+        tail(&first, 8000)
+    );
+
+    // A power cycle through the BMC: the installed OS boots again, nothing is provisioned again.
+    let boots_before = console(&host).matches("finished at").count();
+    let driver = RedfishBmc::new(
+        &bmc_address,
+        Credentials::new(USER, PASSWORD),
+        RedfishOptions::default(),
+    )
+    .expect("driver");
+    driver.power(PowerAction::Cycle).await.expect("power cycle");
+    let again = support::eventually_or("the installed OS booted again", 900, || async {
+        (console(&host).matches("finished at").count() > boots_before).then_some(())
+    })
+    .await;
+    let text = console(&host);
+    assert!(
+        again.is_some(),
+        "no second boot of the installed OS:\n{}",
+        tail(&text, 8000)
+    );
+    assert_eq!(
+        text.matches(RAN).count(),
+        1,
+        "the user-data ran twice:\n{}",
+        tail(&text, 8000)
+    );
+    let last = text
+        .lines()
+        .rfind(|l| l.contains("finished at"))
+        .unwrap_or_default();
+    assert!(last.contains("DataSourceNoCloud"), "{last}");
+    let after = machines.get("node").await.expect("MetalMachine");
+    assert_eq!(after.spec.provider_id, provisioned.spec.provider_id);
+    assert!(
+        secrets
+            .get_opt(&metalboot::boot::tokens::boot_secret_name("node"))
+            .await
+            .expect("get")
+            .is_none(),
+        "a boot Secret (a new token) exists after the power cycle"
+    );
+}
