@@ -81,13 +81,24 @@ fn artifacts(dir: &Path) -> String {
         .to_string()
 }
 
-#[tokio::test]
-async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_cycle() {
+/// One host, its BMC, a Cluster, a Machine whose bootstrap data runs `commands`, the manager, and
+/// the image-mode MetalMachine with `boot_timeout` seconds and no retries.
+struct Env {
+    ns: support::TestNamespace,
+    host: Arc<QemuHost>,
+    bmc_address: String,
+    machines: Api<MetalMachine>,
+    secrets: Api<Secret>,
+    _manager: metalboot::manager::RunningManager,
+    _work: tempfile::TempDir,
+}
+
+async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32) -> Env {
     metalboot::telemetry::init(
         metalboot::telemetry::LogFormat::Text,
         Some("info,metalboot=debug,kube_runtime=warn"),
     );
-    let ns = support::namespace("image-e2e").await;
+    let ns = support::namespace(prefix).await;
     install_crds(&ns.client).await;
     let client = &ns.client;
     let work = tempfile::tempdir().expect("tmp");
@@ -107,7 +118,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
     let host = Arc::new(QemuHost::new(QemuHostSpec {
         name: "host-0".into(),
         uuid: "6d62a1b0-0000-4000-8000-0000000000e2".into(),
-        mac: MAC.into(),
+        mac: mac.into(),
         memory_mib: 1024,
         network: HostNetwork::User {
             bootfile_url: format!("http://10.0.2.2:{port}/boot.ipxe"),
@@ -156,7 +167,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
                         disable_certificate_verification: None,
                         ca_secret_name: None,
                     },
-                    boot_mac_address: MAC.into(),
+                    boot_mac_address: mac.into(),
                     boot_ip_address: None,
                     boot_mode: None,
                     online: true,
@@ -186,7 +197,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         .expect("Cluster status");
     let user_data = render(
         &CloudInitConfigSpec {
-            commands: vec![format!("echo '{RAN}' > /dev/console")],
+            commands,
             ..Default::default()
         },
         &Default::default(),
@@ -233,7 +244,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         .await
         .expect("Machine");
 
-    let _manager = metalboot::manager::start(
+    let manager = metalboot::manager::start(
         client.clone(),
         ManagerOptions {
             namespace: Some(ns.name.clone()),
@@ -266,7 +277,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Gzip,
             }),
-            boot_timeout_seconds: Some(900),
+            boot_timeout_seconds: Some(boot_timeout),
             boot_retries: Some(0),
             ..Default::default()
         },
@@ -288,7 +299,35 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         .create(&PostParams::default(), &mm)
         .await
         .expect("MetalMachine");
+    Env {
+        ns,
+        host,
+        bmc_address,
+        machines,
+        secrets,
+        _manager: manager,
+        _work: work,
+    }
+}
 
+#[tokio::test]
+async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_cycle() {
+    let env = setup(
+        "image-e2e",
+        MAC,
+        vec![format!("echo '{RAN}' > /dev/console")],
+        900,
+    )
+    .await;
+    let Env {
+        ns,
+        host,
+        bmc_address,
+        machines,
+        secrets,
+        ..
+    } = &env;
+    let client = &ns.client;
     let provisioned = support::eventually_or("the MetalMachine provisioned", 1500, || async {
         machines
             .get("node")
@@ -365,5 +404,52 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             .expect("get")
             .is_none(),
         "a boot Secret (a new token) exists after the power cycle"
+    );
+}
+
+/// A bootstrap command that fails under the real cloud-init on the installed OS: no sentinel, no
+/// callback; the boot timeout, counted from the restart into the disk, ends the attempt, and
+/// with no retries left the machine fails with `BootTimeout`, never provisioned.
+#[tokio::test]
+async fn a_failing_bootstrap_command_ends_in_the_boot_timeout() {
+    let env = setup(
+        "image-e2e-fail",
+        "52:54:00:6d:62:11",
+        vec![
+            "echo 'metalboot-e2e: step 1' > /dev/console".into(),
+            "false".into(),
+            format!("echo '{RAN}' > /dev/console"),
+        ],
+        240,
+    )
+    .await;
+    let failed = support::eventually_or("the machine failed", 1500, || async {
+        env.machines.get("node").await.ok().filter(|m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| s.failure_reason.is_some())
+        })
+    })
+    .await;
+    let text = console(&env.host);
+    let Some(failed) = failed else {
+        panic!("the machine did not fail:\n{}", tail(&text, 8000));
+    };
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(
+        status.failure_reason.as_deref(),
+        Some("BootTimeout"),
+        "{status:?}"
+    );
+    assert!(failed.spec.provider_id.is_none(), "provisioned after all");
+    assert!(
+        text.contains("metalboot::agent") && text.contains("metalboot-e2e: step 1"),
+        "the image was written and the installed OS ran the first command:\n{}",
+        tail(&text, 8000)
+    );
+    assert!(!text.contains(RAN), "a command ran after the failed one");
+    assert!(
+        !text.contains("reporting to the boot service"),
+        "vendor-data reported success without the sentinel"
     );
 }
