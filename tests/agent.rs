@@ -342,3 +342,126 @@ async fn the_agent_writes_a_checked_image_and_seeds_it_or_wipes_a_bad_one() {
         "the outcome is final"
     );
 }
+
+/// A connection cut halfway through the image: the agent resumes with a `Range` request from
+/// the byte it reached, the digest runs over the joined bytes, and the write completes. The
+/// cut is made by a small server of the test's own that serves the image's first half, then
+/// drops the connection, and honours `Range` like the boot service's artifacts do.
+#[tokio::test]
+async fn a_broken_image_download_is_resumed_where_it_stopped() {
+    use std::sync::Mutex;
+    let ns = support::namespace("agent-resume").await;
+    install_crds(&ns.client).await;
+    let client = &ns.client;
+    let artifacts = tempfile::tempdir().expect("tmp");
+    let image = Arc::new(make_image(artifacts.path()));
+    let ranges: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
+    let cutting = {
+        let image = image.clone();
+        let ranges = ranges.clone();
+        Router::new().route(
+            "/os.raw",
+            axum::routing::get(move |headers: axum::http::HeaderMap| {
+                let image = image.clone();
+                let ranges = ranges.clone();
+                async move {
+                    use axum::response::IntoResponse;
+                    let range = headers
+                        .get("range")
+                        .and_then(|v| v.to_str().ok())
+                        .map(String::from);
+                    if let Ok(mut seen) = ranges.lock() {
+                        seen.push(range.clone());
+                    }
+                    let total = image.len();
+                    match range.and_then(|r| {
+                        r.strip_prefix("bytes=")?
+                            .strip_suffix('-')?
+                            .parse::<usize>()
+                            .ok()
+                    }) {
+                        Some(start) => (
+                            axum::http::StatusCode::PARTIAL_CONTENT,
+                            [(
+                                "content-range",
+                                format!("bytes {start}-{}/{total}", total - 1),
+                            )],
+                            image[start..].to_vec(),
+                        )
+                            .into_response(),
+                        None => {
+                            let half = axum::body::Bytes::copy_from_slice(&image[..total / 2]);
+                            let chunks: Vec<Result<axum::body::Bytes, std::io::Error>> =
+                                vec![Ok(half), Err(std::io::Error::other("the link went down"))];
+                            (
+                                [("content-length", total.to_string())],
+                                axum::body::Body::from_stream(futures::stream::iter(chunks)),
+                            )
+                                .into_response()
+                        }
+                    }
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let cutting_url = format!("http://{}/os.raw", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, cutting).await });
+
+    create_host(client, &ns.name, "host-0", "52:54:00:20:01:00").await;
+    let machine = image_machine(
+        client,
+        &ns.name,
+        "resumed",
+        ImageSpec {
+            url: cutting_url,
+            checksum: digest_hex(ChecksumType::Sha256, &image),
+            checksum_type: ChecksumType::Sha256,
+            format: ImageFormat::Raw,
+        },
+    )
+    .await;
+    set_host_state(
+        client,
+        &ns.name,
+        "host-0",
+        HostState::Provisioning,
+        Some(&machine),
+    )
+    .await;
+    let record = create_boot_secret(client, &ns.name, &machine, "host-0", b"#cloud-config\n").await;
+    let (state, base) = start_boot_service(&ns, artifacts.path()).await;
+    until_stores("fixture in the stores", &state, |s| {
+        s.boot_secrets.state().len() == 1 && s.machines.state().len() == 1
+    })
+    .await;
+    let host_dir = tempfile::tempdir().expect("tmp");
+    let (sys_root, dev_dir) = make_host(host_dir.path());
+    let outcome = run(AgentConfig {
+        url: format!("{base}/agent/{}", record.token.expose()),
+        sys_root,
+        dev_dir: dev_dir.clone(),
+        patience: std::time::Duration::from_secs(20),
+    })
+    .await
+    .expect("agent");
+    assert_eq!(
+        outcome,
+        Outcome::Written {
+            device: "vda".into(),
+            bytes: image.len() as u64
+        }
+    );
+    assert_eq!(
+        read_at(&dev_dir.join("vda"), 1 << 20, 8 << 20),
+        image[(1 << 20)..(9 << 20)].to_vec()
+    );
+    let seen = ranges.lock().map(|r| r.clone()).unwrap_or_default();
+    assert_eq!(
+        seen,
+        vec![None, Some(format!("bytes={}-", image.len() / 2))],
+        "one cut, one resume from the byte reached"
+    );
+}

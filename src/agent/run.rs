@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
+use futures::{Stream, StreamExt};
 
 use super::image::{ImageError, ImageSource, write_image};
 use super::protocol::{AgentTask, DeployReport, DeployState};
@@ -209,7 +209,12 @@ pub async fn run(config: AgentConfig) -> Result<Outcome, AgentError> {
 
     let written = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
-    let stream = response.bytes_stream().map_err(std::io::Error::other);
+    let stream = Box::pin(resuming_body(
+        conversation.client.clone(),
+        image.url.clone(),
+        response,
+        length,
+    ));
     let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
     let counter = written.clone();
     let checksum = image.checksum.clone();
@@ -329,4 +334,107 @@ mod tests {
         );
         assert_eq!(url_from_cmdline("console=ttyS0"), None);
     }
+}
+
+/// How many times a broken image download is resumed before the write fails.
+pub const IMAGE_RESUMES: u32 = 5;
+
+/// The image's bytes, resumed with a `Range` request from where they stopped when the connection
+/// breaks or ends before `Content-Length` (the boot service caps a connection's lifetime; links
+/// drop), at most `IMAGE_RESUMES` times. Digest and decompression run over the joined bytes, so
+/// a resume is invisible to them; a server that does not answer 206 from that offset fails it.
+fn resuming_body(
+    client: reqwest::Client,
+    url: String,
+    first: reqwest::Response,
+    length: Option<u64>,
+) -> impl Stream<Item = std::io::Result<axum::body::Bytes>> + Send + 'static {
+    type Body = std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>>;
+    struct Download {
+        client: reqwest::Client,
+        url: String,
+        body: Option<Body>,
+        offset: u64,
+        resumes: u32,
+    }
+    let start = Download {
+        client,
+        url,
+        body: Some(Box::pin(first.bytes_stream())),
+        offset: 0,
+        resumes: 0,
+    };
+    futures::stream::unfold(start, move |mut d| async move {
+        let mut cause = match d.body.as_mut()?.next().await {
+            Some(Ok(chunk)) => {
+                d.offset += chunk.len() as u64;
+                return Some((Ok(chunk), d));
+            }
+            None if length.is_none_or(|l| d.offset >= l) => return None,
+            None => format!("the download ended at byte {} of {length:?}", d.offset),
+            Some(Err(e)) => format!("the download broke at byte {}: {e}", d.offset),
+        };
+        while d.resumes < IMAGE_RESUMES {
+            d.resumes += 1;
+            tokio::time::sleep(Duration::from_secs(u64::from(d.resumes))).await;
+            tracing::warn!(offset = d.offset, resume = d.resumes, cause = %cause, "resuming the image download");
+            let range = format!("bytes={}-", d.offset);
+            match d
+                .client
+                .get(&d.url)
+                .header(reqwest::header::RANGE, range)
+                .send()
+                .await
+            {
+                Ok(r)
+                    if r.status() == reqwest::StatusCode::PARTIAL_CONTENT
+                        && content_range_start(&r) == Some(d.offset) =>
+                {
+                    d.body = Some(Box::pin(r.bytes_stream()));
+                    // The next chunk comes from the resumed body.
+                    return match d.body.as_mut()?.next().await {
+                        Some(Ok(chunk)) => {
+                            d.offset += chunk.len() as u64;
+                            Some((Ok(chunk), d))
+                        }
+                        other => {
+                            let why = match other {
+                                Some(Err(e)) => e.to_string(),
+                                _ => "no bytes after a resume".to_string(),
+                            };
+                            d.body = None;
+                            Some((Err(std::io::Error::other(why)), d))
+                        }
+                    };
+                }
+                Ok(r) => {
+                    cause = format!("resuming at byte {} was answered {}", d.offset, r.status())
+                }
+                Err(e) => cause = format!("resuming at byte {}: {e}", d.offset),
+            }
+        }
+        d.body = None;
+        Some((
+            Err(std::io::Error::other(format!(
+                "{cause} (gave up after {IMAGE_RESUMES} resumes)"
+            ))),
+            d,
+        ))
+    })
+}
+
+/// The first byte a 206 answer carries (`Content-Range: bytes <first>-<last>/<total>`).
+fn content_range_start(response: &reqwest::Response) -> Option<u64> {
+    let value = response
+        .headers()
+        .get(reqwest::header::CONTENT_RANGE)?
+        .to_str()
+        .ok()?;
+    value
+        .strip_prefix("bytes ")?
+        .split('-')
+        .next()?
+        .trim()
+        .parse()
+        .ok()
 }
