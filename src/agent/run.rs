@@ -322,20 +322,6 @@ fn outcome_of(report: &DeployReport) -> Outcome {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_agent_url_comes_from_the_kernel_command_line() {
-        assert_eq!(
-            url_from_cmdline("console=ttyS0 metalboot.agent=http://10.0.2.2:8080/agent/abc quiet"),
-            Some("http://10.0.2.2:8080/agent/abc".into())
-        );
-        assert_eq!(url_from_cmdline("console=ttyS0"), None);
-    }
-}
-
 /// How many times a broken image download is resumed before the write fails.
 pub const IMAGE_RESUMES: u32 = 5;
 
@@ -437,4 +423,18 @@ fn content_range_start(response: &reqwest::Response) -> Option<u64> {
         .trim()
         .parse()
         .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_url_comes_from_the_kernel_command_line() {
+        assert_eq!(
+            url_from_cmdline("console=ttyS0 metalboot.agent=http://10.0.2.2:8080/agent/abc quiet"),
+            Some("http://10.0.2.2:8080/agent/abc".into())
+        );
+        assert_eq!(url_from_cmdline("console=ttyS0"), None);
+    }
 }
