@@ -341,7 +341,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         panic!(
             "not provisioned: {:#?}\nconsole:\n{}",
             mm.and_then(|m| m.status),
-            tail(&console(&host), 8000)
+            tail(&console(host), 8000)
         );
     };
     let hosts: Api<MetalHost> = Api::namespaced(client.clone(), &ns.name);
@@ -357,7 +357,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
     assert_eq!(vda.size_bytes, 4 << 30);
     assert_eq!(vda.serial_number.as_deref(), Some("host-0"));
     assert_eq!(hardware.firmware_mode.as_deref(), Some("BIOS"));
-    let first = console(&host);
+    let first = console(host);
     assert_eq!(first.matches(RAN).count(), 1, "{}", tail(&first, 8000));
     assert!(
         first.contains("metalboot agent") || first.contains("metalboot::agent"),
@@ -366,19 +366,19 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
     );
 
     // A power cycle through the BMC: the installed OS boots again, nothing is provisioned again.
-    let boots_before = console(&host).matches("finished at").count();
+    let boots_before = console(host).matches("finished at").count();
     let driver = RedfishBmc::new(
-        &bmc_address,
+        bmc_address,
         Credentials::new(USER, PASSWORD),
         RedfishOptions::default(),
     )
     .expect("driver");
     driver.power(PowerAction::Cycle).await.expect("power cycle");
     let again = support::eventually_or("the installed OS booted again", 900, || async {
-        (console(&host).matches("finished at").count() > boots_before).then_some(())
+        (console(host).matches("finished at").count() > boots_before).then_some(())
     })
     .await;
-    let text = console(&host);
+    let text = console(host);
     assert!(
         again.is_some(),
         "no second boot of the installed OS:\n{}",
