@@ -16,4 +16,5 @@ if ! command -v in.tftpd >/dev/null; then
   if [ ! -e $policy ]; then printf '#!/bin/sh\nexit 101\n' | $sudo tee $policy >/dev/null; $sudo chmod +x $policy; trap "$sudo rm -f $policy" EXIT; fi
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq tftpd-hpa >/dev/null
 fi
-cd "$root" && cargo bench --bench boot --bench tftp --bench netboot 2>&1 | grep -vE '^\s*(Compiling|Finished|Running)'
+"$root/hack/os-image/build.sh"
+cd "$root" && cargo bench --bench boot --bench tftp --bench netboot --bench image 2>&1 | grep -vE '^\s*(Compiling|Finished|Running)'

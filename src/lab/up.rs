@@ -629,15 +629,26 @@ pub async fn rows(dir: &Path) -> Result<(LabState, Vec<Row>), LabError> {
         .iter()
         .map(|h| {
             let host = hosts.iter().find(|x| x.name_any() == h.name);
-            let claimed_by = metal_machines
-                .iter()
-                .find(|mm| {
-                    mm.status
-                        .as_ref()
-                        .and_then(|s| s.host_ref.as_ref())
-                        .is_some_and(|r| r.name == h.name)
+            let claimer = metal_machines.iter().find(|mm| {
+                mm.status
+                    .as_ref()
+                    .and_then(|s| s.host_ref.as_ref())
+                    .is_some_and(|r| r.name == h.name)
+            });
+            let claimed_by = claimer.map(|mm| mm.name_any());
+            // Image mode: the deploy agent's progress (bytes written, rate) while it lasts.
+            let image_note = claimer
+                .and_then(|mm| mm.status.as_ref())
+                .and_then(|s| {
+                    s.conditions
+                        .iter()
+                        .find(|c| c.type_ == crate::controllers::metalmachine::BOOT_READY)
                 })
-                .map(|mm| mm.name_any());
+                .filter(|c| {
+                    ["WaitingForAgent", "WritingImage", "BootingInstalledOS"]
+                        .contains(&c.reason.as_str())
+                })
+                .map(|c| format!("{}: {}", c.reason, c.message));
             let machine = claimed_by.and_then(|mm| {
                 machines
                     .iter()
@@ -671,7 +682,7 @@ pub async fn rows(dir: &Path) -> Result<(LabState, Vec<Row>), LabError> {
                 phase: machine
                     .and_then(|m| m.status.as_ref()?.phase.clone())
                     .unwrap_or_else(|| "-".into()),
-                detail: condition_note,
+                detail: image_note.unwrap_or(condition_note),
             }
         })
         .collect();
