@@ -483,6 +483,7 @@ async fn start_infrastructure(
         },
         watch_filter: watch_filter.clone(),
         power_requests: Default::default(),
+        power_ons: Default::default(),
         expectations: Default::default(),
     });
     let cluster_controller =

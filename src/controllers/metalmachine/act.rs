@@ -121,6 +121,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 ctx.expectations.forget(&mm_key);
                 ctx.expectations.forget(&boot_key);
                 ctx.power_requests.forget(&mm_key);
+                ctx.power_ons.forget(&mm_key);
                 ctx.backoff.reset(&crate::controllers::key(mm));
             }
             Ok(())
@@ -184,6 +185,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             bmc.power(action)
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            ctx.power_ons.record(&mm_key, action);
             let patch = tokens::powered_patch(o.now);
             let replaced = record.resource_version.clone();
             patch_from(
@@ -293,6 +295,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             bmc.power(PowerAction::Cycle)
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            ctx.power_ons.record(&mm_key, PowerAction::Cycle);
             patch_from(
                 ctx,
                 &secrets,

@@ -299,6 +299,9 @@ const GATE_RESYNC: Duration = Duration::from_secs(60);
 const BOOT_POLL: Duration = Duration::from_secs(30);
 /// While a host powers off.
 const POWER_OFF_POLL: Duration = Duration::from_secs(3);
+/// How long after a power-on an Off read is not trusted during deprovisioning: BMCs apply
+/// power actions asynchronously (sushy-tools' emulator within 11 s).
+pub const POWER_SETTLE: Duration = Duration::from_secs(15);
 
 /// The decision for one MetalMachine.
 pub fn decide(o: &Observed, policy: &Policy) -> Decision {
@@ -829,6 +832,22 @@ fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Dec
         .map(|t| o.now.duration_since(t.0).unsigned_abs())
         .unwrap_or_default();
     let power = o.power.clone().unwrap_or(Ok(PowerState::Unknown));
+    // A BMC applies a power-on seconds after it accepts it: an Off read soon after this
+    // controller's last power-on may be that power-on still pending. Read again once it landed.
+    if let (Ok(PowerState::Off), Some(ago)) = (&power, o.last_power_on)
+        && ago < POWER_SETTLE
+        && o.last_power_off.is_none()
+    {
+        draft.set(Want::f(
+            READY,
+            "Deprovisioning",
+            format!(
+                "MetalHost {host_name} reads off {} s after it was powered on; waiting for the BMC to settle",
+                ago.as_secs()
+            ),
+        ));
+        return Decision::new(draft.done(), Step::Nothing, Some(POWER_SETTLE - ago));
+    }
     let release = |fault: Option<Fault>| Step::Release {
         host: host_name.clone(),
         resource_version: host.resource_version().unwrap_or_default(),
@@ -1035,6 +1054,7 @@ mod tests {
             boot: BootObservation::None,
             power: None,
             last_power_off: None,
+            last_power_on: None,
         }
     }
 
@@ -1451,6 +1471,28 @@ mod tests {
                 "host off: release it (resourceVersion precondition)",
                 Observed {
                     power: Some(Ok(PowerState::Off)),
+                    ..deleting(claimed(observed()), 1)
+                },
+                Step::Release {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                    fault: None,
+                },
+            ),
+            (
+                "host reads off 2 s after this controller powered it on: the power-on may be pending at the BMC, wait",
+                Observed {
+                    power: Some(Ok(PowerState::Off)),
+                    last_power_on: Some(Duration::from_secs(2)),
+                    ..deleting(claimed(observed()), 1)
+                },
+                Step::Nothing,
+            ),
+            (
+                "host reads off once the power-on had time to land: release it",
+                Observed {
+                    power: Some(Ok(PowerState::Off)),
+                    last_power_on: Some(POWER_SETTLE),
                     ..deleting(claimed(observed()), 1)
                 },
                 Step::Release {

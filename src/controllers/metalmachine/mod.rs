@@ -80,6 +80,9 @@ pub struct MachineContext {
     pub policy: Policy,
     pub watch_filter: Option<String>,
     pub power_requests: PowerRequests,
+    /// The power-on (or cycle) last sent for each machine, and when: a BMC applies it
+    /// asynchronously, so deprovisioning does not trust an Off read until it had time to land.
+    pub power_ons: PowerRequests,
     pub expectations: Expectations,
 }
 

@@ -58,6 +58,8 @@ pub struct Observed {
     pub power: Option<Result<PowerState, Fault>>,
     /// Deletion only: the power-off request already sent, and how long ago.
     pub last_power_off: Option<(PowerAction, Duration)>,
+    /// Deletion only: how long ago this controller last sent the host a power-on or cycle.
+    pub last_power_on: Option<Duration>,
 }
 
 /// The outcome of observing.
@@ -182,5 +184,6 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         boot,
         power,
         last_power_off,
+        last_power_on: ctx.power_ons.last(&mm_key).map(|(_, ago)| ago),
     }))
 }
