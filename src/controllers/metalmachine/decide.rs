@@ -151,10 +151,22 @@ pub fn boot_step(
     timeout_seconds: i32,
     retries: i32,
 ) -> BootStep {
+    boot_step_since(record, record.powered_at, now, timeout_seconds, retries)
+}
+
+/// `boot_step` with the timeout counted from `since` (image mode restarts the clock when the
+/// host is restarted into its disk); None: not powered for this attempt yet.
+fn boot_step_since(
+    record: &BootRecord,
+    since: Option<jiff::Timestamp>,
+    now: jiff::Timestamp,
+    timeout_seconds: i32,
+    retries: i32,
+) -> BootStep {
     if record.callback.is_some() {
         return BootStep::Finish;
     }
-    let Some(powered_at) = record.powered_at else {
+    let Some(powered_at) = since else {
         return BootStep::Power;
     };
     let elapsed = now.duration_since(powered_at).as_secs().max(0);
@@ -636,12 +648,9 @@ fn decide_image(
         ImageStep::AwaitingAgent => ("WaitingForAgent", "host network-booting the deploy agent"),
     };
     // Boot timeout from the restart into the disk, or from the power-on before the agent spoke.
-    let clock = BootRecord {
-        powered_at: record.disk_boot_at.or(record.powered_at),
-        ..record.clone()
-    };
-    let BootStep::Wait(remaining) = boot_step(
-        &clock,
+    let BootStep::Wait(remaining) = boot_step_since(
+        record,
+        record.disk_boot_at.or(record.powered_at),
         o.now,
         mm.spec.boot_timeout_seconds(),
         mm.spec.boot_retries(),
