@@ -86,17 +86,6 @@ impl Client {
             .expect("send");
     }
 
-    /// Answers to `xid` until `done` says enough, or 20 s.
-    async fn offers(&self, xid: u32, done: impl Fn(&[Offer]) -> bool) -> Vec<Offer> {
-        let all = self
-            .collect(|all| all.get(&xid).is_some_and(|o| done(o)))
-            .await;
-        all.into_iter()
-            .filter(|(x, _)| *x == xid)
-            .flat_map(|(_, o)| o)
-            .collect()
-    }
-
     /// Sends `packet` (transaction `xid`) and sends it again every 2 s, as firmware and DHCP
     /// clients do, until `done` says enough, or 20 s: a server under load may drop a DISCOVER.
     async fn ask(&self, packet: &[u8], xid: u32, done: impl Fn(&[Offer]) -> bool) -> Vec<Offer> {
@@ -203,18 +192,24 @@ async fn proxy_dhcp_answers_only_its_pxe_clients_through_rogues_garbage_and_floo
 
     // A PXE client metalboot provisions: metalboot's offer (no address, its boot server and
     // program) beside the site's address and the rogue's.
-    client.send(&discover(1, &KNOWN, true)).await;
+    // Sent again every 2 s until all three answered, as firmware does; each copy metalboot
+    // answers uses the MAC's budget.
     let offers = client
-        .offers(1, |o| site_and_rogue(o) && !from(o, BOOT_IP).is_empty())
+        .ask(&discover(1, &KNOWN, true), 1, |o| {
+            site_and_rogue(o) && !from(o, BOOT_IP).is_empty()
+        })
         .await;
     let ours = from(&offers, BOOT_IP);
-    assert_eq!(ours.len(), 1, "{offers:?}");
-    assert_eq!(
-        ours[0].yiaddr,
-        Ipv4Addr::UNSPECIFIED,
-        "proxyDHCP offers no address"
-    );
-    assert_eq!(ours[0].file, "undionly.kpxe");
+    assert!(!ours.is_empty(), "{offers:?}");
+    for offer in &ours {
+        assert_eq!(
+            offer.yiaddr,
+            Ipv4Addr::UNSPECIFIED,
+            "proxyDHCP offers no address"
+        );
+        assert_eq!(offer.file, "undionly.kpxe");
+    }
+    let budget_used = ours.len();
     assert!(
         from(&offers, SITE_IP)
             .iter()
@@ -307,7 +302,7 @@ async fn proxy_dhcp_answers_only_its_pxe_clients_through_rogues_garbage_and_floo
     })
     .await;
     assert!(
-        (1..=5).contains(&answered),
-        "{answered} answers to 30 DISCOVERs within a minute (budget 5, one already used)"
+        answered >= 1 && answered + budget_used <= 5,
+        "{answered} answers to 30 DISCOVERs within a minute (budget 5, {budget_used} used)"
     );
 }

@@ -195,6 +195,8 @@ impl LabNetwork {
         let log = dir.join(format!("{name}.log"));
         let leases = dir.join(format!("{name}.leases"));
         let _ = std::fs::remove_file(&leases);
+        // dnsmasq appends: an old log's `started` would pass for this one's.
+        let _ = std::fs::remove_file(&log);
         let child = Command::new("ip")
             .args(["netns", "exec", netns, "dnsmasq"])
             .args([
@@ -217,7 +219,36 @@ impl LabNetwork {
                 NetError::Dnsmasq(format!("starting dnsmasq (package dnsmasq-base): {e}"))
             })?;
         self.dnsmasq.push(child);
+        self.wait_for_dnsmasq(&log)?;
         Ok((log, leases))
+    }
+
+    /// Waits for the dnsmasq just started to log `started`, which it does after binding its
+    /// sockets: a DISCOVER sent before that is lost, and a client's first one would go
+    /// unanswered. An exit or 20 s of silence is an error with the log's tail.
+    fn wait_for_dnsmasq(&mut self, log: &Path) -> Result<(), NetError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            if text.contains("started, version") {
+                return Ok(());
+            }
+            let exited = match self.dnsmasq.last_mut() {
+                Some(child) => child.try_wait().ok().flatten(),
+                None => None,
+            };
+            let tail = || text.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+            if let Some(status) = exited {
+                return Err(NetError::Dnsmasq(format!("exited ({status}): {}", tail())));
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(NetError::Dnsmasq(format!(
+                    "not started within 20 s: {}",
+                    tail()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 
     /// `ip netns exec <provisioning namespace>`: the prefix for a process on the bridge.
