@@ -117,6 +117,7 @@ async fn main() {
             online: true,
             description: None,
             consumer_ref: Some(ConsumerReference::to_metal_machine("bench", "default")),
+            automated_cleaning_mode: None,
         },
     );
     hosts

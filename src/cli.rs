@@ -546,6 +546,10 @@ async fn run_agent(args: AgentArgs) -> Result<(), String> {
             println!("metalboot agent: wrote {bytes} bytes to {device}");
             Ok(())
         }
+        Outcome::Cleaned => {
+            println!("metalboot agent: disks cleaned");
+            Ok(())
+        }
         Outcome::Nothing(reason) => {
             println!("metalboot agent: nothing to do: {reason}");
             Ok(())

@@ -173,6 +173,7 @@ async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32
                     online: true,
                     description: None,
                     consumer_ref: None,
+                    automated_cleaning_mode: None,
                 },
             ),
         )

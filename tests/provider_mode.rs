@@ -154,6 +154,7 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
             online: true,
             description: None,
             consumer_ref: None,
+            automated_cleaning_mode: None,
         },
     );
     host.metadata.labels = Some(BTreeMap::from([(

@@ -27,6 +27,9 @@ pub enum AgentTask {
         root_device_hints: Option<Box<RootDeviceHints>>,
         seed: SeedSpec,
     },
+    /// Wipe every disk the inspection found (the host is being released), then report
+    /// `Cleaned`.
+    Clean { mode: super::wipe::WipeMode },
     /// Nothing (any more): the image is written, or this attempt is not an image deployment.
     Done { reason: String },
 }
@@ -45,6 +48,8 @@ pub struct SeedSpec {
 pub enum DeployState {
     Writing,
     Written,
+    /// Cleaning attempts: every disk wiped.
+    Cleaned,
     Failed,
 }
 
@@ -57,6 +62,7 @@ pub const KNOWN_REASONS: &[&str] = &[
     "DiskWriteFailed",
     "NoRootDevice",
     "SeedFailed",
+    "CleaningFailed",
 ];
 
 /// Progress or outcome of a deployment, as the agent reports it and the boot Secret keeps it.
@@ -140,6 +146,12 @@ mod tests {
         };
         let json = serde_json::to_string(&t).unwrap();
         assert_eq!(json, r#"{"action":"done","reason":"written"}"#);
+        assert_eq!(serde_json::from_str::<AgentTask>(&json).unwrap(), t);
+        let t = AgentTask::Clean {
+            mode: super::super::wipe::WipeMode::Full,
+        };
+        let json = serde_json::to_string(&t).unwrap();
+        assert_eq!(json, r#"{"action":"clean","mode":"full"}"#);
         assert_eq!(serde_json::from_str::<AgentTask>(&json).unwrap(), t);
     }
 }

@@ -34,6 +34,7 @@ pub struct AgentConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Written { device: String, bytes: u64 },
+    Cleaned,
     Failed { reason: String, message: String },
     Nothing(String),
 }
@@ -163,6 +164,9 @@ pub async fn run(config: AgentConfig) -> Result<Outcome, AgentError> {
         })?;
     let (image, root_device_hints, seed) = match task {
         AgentTask::Done { reason } => return Ok(Outcome::Nothing(reason)),
+        AgentTask::Clean { mode } => {
+            return clean(&conversation, &inventory.disks, &config.dev_dir, mode).await;
+        }
         AgentTask::Deploy {
             image,
             root_device_hints,
@@ -301,6 +305,89 @@ pub async fn run(config: AgentConfig) -> Result<Outcome, AgentError> {
     tracing::info!(state = ?report.state, reason = ?report.reason, "deployment ended");
     conversation.report(&report).await?;
     Ok(outcome_of(&report))
+}
+
+/// Wipes every disk the inspection found, reporting that it is still at work every few seconds
+/// (a full erase takes long) and then `Cleaned`, or `Failed` with `CleaningFailed` naming the
+/// disks it could not wipe.
+async fn clean(
+    conversation: &Conversation,
+    disks: &[crate::api::metalhost::DiskInfo],
+    dev_dir: &std::path::Path,
+    mode: WipeMode,
+) -> Result<Outcome, AgentError> {
+    let paths: Vec<(String, PathBuf)> = disks
+        .iter()
+        .map(|d| (d.name.clone(), dev_dir.join(&d.name)))
+        .collect();
+    tracing::info!(disks = paths.len(), ?mode, "cleaning");
+    let wiped = Arc::new(AtomicU64::new(0));
+    let counter = wiped.clone();
+    let mut wiping = tokio::task::spawn_blocking(move || {
+        let mut failures = Vec::new();
+        let mut names = Vec::new();
+        for (name, path) in paths {
+            let result = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .and_then(|mut disk| wipe(&mut disk, mode));
+            match result {
+                Ok(w) => {
+                    counter.fetch_add(w.bytes, Ordering::Relaxed);
+                    names.push(name);
+                }
+                Err(e) => failures.push(format!("{name}: {e}")),
+            }
+        }
+        (names, failures)
+    });
+    let started = Instant::now();
+    let outcome = loop {
+        tokio::select! {
+            done = &mut wiping => break done,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                let bytes = wiped.load(Ordering::Relaxed);
+                let progress = DeployReport {
+                    state: DeployState::Writing,
+                    device: None,
+                    written_bytes: bytes,
+                    total_bytes: None,
+                    bytes_per_second: bytes / started.elapsed().as_secs().max(1),
+                    reason: None,
+                    message: Some("cleaning".into()),
+                    received_at: None,
+                };
+                if let Err(e) = conversation.report(&progress).await {
+                    tracing::warn!(error = %e, "progress report not delivered");
+                }
+            }
+        }
+    };
+    let report = match outcome {
+        Ok((names, failures)) if failures.is_empty() => DeployReport {
+            state: DeployState::Cleaned,
+            device: None,
+            written_bytes: wiped.load(Ordering::Relaxed),
+            total_bytes: None,
+            bytes_per_second: 0,
+            reason: None,
+            message: Some(if names.is_empty() {
+                "no disks to wipe".to_string()
+            } else {
+                format!("wiped {} ({mode:?})", names.join(", "))
+            }),
+            received_at: None,
+        },
+        Ok((_, failures)) => failed("CleaningFailed", failures.join("; ")),
+        Err(e) => failed("CleaningFailed", e.to_string()),
+    };
+    tracing::info!(state = ?report.state, message = ?report.message, "cleaning ended");
+    conversation.report(&report).await?;
+    Ok(match report.state {
+        DeployState::Cleaned => Outcome::Cleaned,
+        _ => outcome_of(&report),
+    })
 }
 
 fn wipe_quietly(device: &mut File) {

@@ -106,6 +106,27 @@ pub struct MetalHostSpec {
     /// Matched by kind, namespace and name, never by UID (UIDs change on move).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumer_ref: Option<ConsumerReference>,
+    /// How the host's disks are cleaned when an `image`-mode consumer releases it, before it is
+    /// Available again: `metadata` (default) wipes partition tables and filesystem signatures,
+    /// `full` zeroes every byte, `disabled` skips cleaning (the next tenant may see the
+    /// previous one's data). A host that cannot be cleaned goes to Error, never Available.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub automated_cleaning_mode: Option<CleaningMode>,
+}
+
+/// See `MetalHostSpec.automatedCleaningMode`.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum CleaningMode {
+    /// Wipe partition tables (both ends of each disk) and the first MiB of every partition.
+    #[default]
+    Metadata,
+    /// Zero every byte of every disk.
+    Full,
+    /// Do not clean.
+    Disabled,
 }
 
 fn default_true() -> bool {
@@ -129,6 +150,7 @@ impl MetalHostSpec {
             online: true,
             description: None,
             consumer_ref: None,
+            automated_cleaning_mode: None,
         }
     }
 }

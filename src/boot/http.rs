@@ -420,9 +420,17 @@ impl BootState {
             });
         if let Some(record) = found.filter(|r| r.token.matches(token)) {
             let machine = self.machine(&record.namespace, &record.metal_machine);
-            let live = machine
-                .as_ref()
-                .is_some_and(|m| m.meta().deletion_timestamp.is_none() && m.uid().is_some());
+            // A cleaning attempt runs while its machine is being deleted, until the agent
+            // reports its outcome.
+            let live = machine.as_ref().is_some_and(|m| {
+                m.uid().is_some()
+                    && match record.clean {
+                        Some(_) => record.deploy.as_ref().is_none_or(|d| {
+                            d.state == crate::agent::protocol::DeployState::Writing
+                        }),
+                        None => m.meta().deletion_timestamp.is_none(),
+                    }
+            });
             return match (record.callback.is_some(), machine) {
                 (false, Some(machine)) if live => TokenLookup::Current(record, machine),
                 (_, machine) => TokenLookup::Spent(record, machine),
@@ -966,6 +974,13 @@ async fn authorize(
         return Err(not_found());
     }
     match state.lookup(token) {
+        // A cleaning token only talks to the deploy agent's routes: no NoCloud data, no callback.
+        TokenLookup::Current(record, _)
+            if record.clean.is_some() && !route.starts_with("/agent/") =>
+        {
+            tracing::warn!(route, machine = %record.metal_machine, client = ?ip, "cleaning token used outside the agent routes");
+            Err(not_found())
+        }
         TokenLookup::Current(record, machine) => {
             state.remember(&record);
             if let Err(pinned) = state.check_pin(&record, ip) {

@@ -180,11 +180,11 @@ pub fn choose_script(
     // has not called back yet, gets a kernel. Everything else boots its disk. The claim is read
     // from spec, not from the host controller's `state`, which may lag the claim by a moment;
     // states that forbid booting still win.
+    // A released image-mode host netboots the deploy agent once more, to be cleaned.
+    let cleaning = record.is_some_and(|r| r.clean.is_some());
     if host.spec.consumer_ref.is_none()
-        || matches!(
-            state,
-            HostState::Provisioned | HostState::Deprovisioning | HostState::Error
-        )
+        || state == HostState::Error
+        || (!cleaning && matches!(state, HostState::Provisioned | HostState::Deprovisioning))
     {
         return idle(&format!("{state:?}"));
     }
@@ -193,7 +193,7 @@ pub fn choose_script(
     };
     let consumer = host.spec.consumer_ref.as_ref();
     let machine_name = machine.metadata.name.clone().unwrap_or_default();
-    if machine.spec.provider_id.is_some() {
+    if machine.spec.provider_id.is_some() && !cleaning {
         return idle("already provisioned");
     }
     if consumer.map(|c| c.name.as_str()) != Some(machine_name.as_str())
@@ -206,7 +206,8 @@ pub fn choose_script(
         return idle("already bootstrapped");
     }
     // Image mode netboots the deploy agent until the image is written, then boots its disk.
-    let image_mode = machine.spec.mode == crate::api::metalmachine::ProvisioningMode::Image;
+    let image_mode =
+        cleaning || machine.spec.mode == crate::api::metalmachine::ProvisioningMode::Image;
     if image_mode
         && record
             .deploy
@@ -302,6 +303,7 @@ mod tests {
                 online: true,
                 description: None,
                 consumer_ref: consumer.map(|name| ConsumerReference::to_metal_machine(name, "ns")),
+                automated_cleaning_mode: None,
             },
         );
         h.status = Some(MetalHostStatus {
@@ -565,6 +567,70 @@ mod tests {
                 "{state:?} → {got:?}"
             );
         }
+    }
+
+    /// Cleaning: a released, provisioned live or image host netboots the deploy agent with the
+    /// cleaning token while it is Deprovisioning, until the agent reported; never in Error.
+    #[test]
+    fn a_cleaning_attempt_netboots_the_agent_until_it_reported() {
+        use crate::agent::protocol::{DeployReport, DeployState};
+        let mut m = machine("vmlinuz", &[], None);
+        m.spec.provider_id = Some("metalboot://ns/host-0/uid".into());
+        let deploy = BootProfile {
+            kernel: "deploy/vmlinuz".into(),
+            initrds: vec!["deploy/initrd".into()],
+            cmdline: None,
+        };
+        let mut rec = record("m1", "host-0");
+        rec.clean = Some(crate::agent::wipe::WipeMode::Metadata);
+        for state in [HostState::Provisioned, HostState::Deprovisioning] {
+            let h = host(state, Some("m1"));
+            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, Some(&deploy));
+            let HostScript::Provision(plan) = got else {
+                panic!("{state:?}: expected the deploy ramdisk, got {got:?}");
+            };
+            assert_eq!(
+                plan.cmdline,
+                format!(
+                    "metalboot.agent=http://10.0.2.2:8080/agent/{}",
+                    rec.token.expose()
+                )
+            );
+        }
+        let error = host(HostState::Error, Some("m1"));
+        let got = choose_script(
+            "m",
+            1,
+            Some(&error),
+            Some(&m),
+            Some(&rec),
+            BASE,
+            Some(&deploy),
+        );
+        assert!(matches!(got, HostScript::Idle { .. }), "{got:?}");
+        let h = host(HostState::Deprovisioning, Some("m1"));
+        for state in [DeployState::Cleaned, DeployState::Failed] {
+            rec.deploy = Some(DeployReport {
+                state,
+                device: None,
+                written_bytes: 0,
+                total_bytes: None,
+                bytes_per_second: 0,
+                reason: None,
+                message: None,
+                received_at: None,
+            });
+            let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, Some(&deploy));
+            assert!(
+                matches!(got, HostScript::Idle { .. }),
+                "{state:?} → {got:?}"
+            );
+        }
+        // Without a cleaning record a Deprovisioning host boots its disk as before.
+        rec.clean = None;
+        rec.deploy = None;
+        let got = choose_script("m", 1, Some(&h), Some(&m), Some(&rec), BASE, Some(&deploy));
+        assert!(matches!(got, HostScript::Idle { .. }), "{got:?}");
     }
 
     #[test]

@@ -35,6 +35,9 @@ const ANN_POWERED_AT: &str = "metalboot.io/powered-at";
 /// When the host was pointed at its disk and restarted after the image was written (image mode):
 /// its presence means "do not restart again".
 const ANN_DISK_BOOT_AT: &str = "metalboot.io/disk-boot-at";
+/// Present on a cleaning attempt (`metadata` or `full`): the token boots the deploy agent to wipe
+/// the released host's disks, and serves no NoCloud data and takes no callback.
+const ANN_CLEAN: &str = "metalboot.io/clean";
 
 /// The host a boot Secret's attempt runs on, from its metadata alone (watches of metadata).
 pub fn boot_secret_host(
@@ -124,6 +127,8 @@ pub struct BootRecord {
     pub powered_at: Option<jiff::Timestamp>,
     /// When the host was restarted into its written disk (image mode).
     pub disk_boot_at: Option<jiff::Timestamp>,
+    /// Set on a cleaning attempt: how much the agent wipes.
+    pub clean: Option<crate::agent::wipe::WipeMode>,
     pub resource_version: Option<String>,
 }
 
@@ -183,6 +188,60 @@ pub fn new_boot_secret(a: &NewAttempt<'_>) -> Secret {
             ),
             (KEY_USER_DATA.to_string(), ByteString(a.user_data.to_vec())),
         ])),
+        ..Default::default()
+    }
+}
+
+/// Inputs of a cleaning attempt.
+pub struct CleanAttempt<'a> {
+    pub namespace: &'a str,
+    pub metal_machine: &'a str,
+    /// The host being cleaned owns the Secret: the released machine may be garbage collected
+    /// (foreground deletion takes its dependents first) while its host is still being cleaned.
+    pub host_owner: OwnerReference,
+    pub cluster_name: Option<&'a str>,
+    pub provider_id: &'a str,
+    pub mode: crate::agent::wipe::WipeMode,
+}
+
+/// The boot Secret of a cleaning attempt, with a fresh token and no bootstrap data. It replaces
+/// the machine's boot Secret (same name), so the provisioning token dies with it.
+pub fn clean_boot_secret(a: &CleanAttempt<'_>) -> Secret {
+    let mode = match a.mode {
+        crate::agent::wipe::WipeMode::Metadata => "metadata",
+        crate::agent::wipe::WipeMode::Full => "full",
+    };
+    let mut labels = BTreeMap::from([(BOOT_TOKEN_LABEL.to_string(), "true".to_string())]);
+    if let Some(cluster) = a.cluster_name {
+        labels.insert(
+            crate::api::CLUSTER_NAME_LABEL.to_string(),
+            cluster.to_string(),
+        );
+    }
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(boot_secret_name(a.metal_machine)),
+            namespace: Some(a.namespace.to_string()),
+            labels: Some(labels),
+            annotations: Some(BTreeMap::from([
+                (ANN_MACHINE.to_string(), a.metal_machine.to_string()),
+                (ANN_HOST.to_string(), a.host_owner.name.clone()),
+                (ANN_PROVIDER_ID.to_string(), a.provider_id.to_string()),
+                (
+                    ANN_INSTANCE_ID.to_string(),
+                    format!("{}-clean", a.host_owner.uid),
+                ),
+                (ANN_ATTEMPT.to_string(), "1".to_string()),
+                (ANN_CLEAN.to_string(), mode.to_string()),
+            ])),
+            owner_references: Some(vec![a.host_owner.clone()]),
+            ..Default::default()
+        },
+        type_: Some(BOOT_SECRET_TYPE.to_string()),
+        data: Some(BTreeMap::from([(
+            KEY_TOKEN.to_string(),
+            ByteString(Token::mint().expose().as_bytes().to_vec()),
+        )])),
         ..Default::default()
     }
 }
@@ -332,6 +391,12 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
         callback,
         powered_at: ann.get(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
         disk_boot_at: ann.get(ANN_DISK_BOOT_AT).and_then(|t| t.parse().ok()),
+        clean: match ann.get(ANN_CLEAN).map(String::as_str) {
+            None => None,
+            Some("full") => Some(crate::agent::wipe::WipeMode::Full),
+            Some("metadata") => Some(crate::agent::wipe::WipeMode::Metadata),
+            Some(_) => return Err(BootSecretError::Invalid(name, ANN_CLEAN)),
+        },
         resource_version: secret.metadata.resource_version.clone(),
         secret_name: name,
     })

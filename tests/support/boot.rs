@@ -56,6 +56,7 @@ pub async fn create_host(client: &kube::Client, ns: &str, name: &str, mac: &str)
             online: true,
             description: None,
             consumer_ref: None,
+            automated_cleaning_mode: None,
         },
     );
     hosts

@@ -124,6 +124,7 @@ impl Lab {
                 online: true,
                 description: None,
                 consumer_ref: None,
+                automated_cleaning_mode: None,
             },
         );
         Api::<MetalHost>::namespaced(self.ns.client.clone(), &self.ns.name)

@@ -77,6 +77,17 @@ pub(super) async fn task(
             },
         )
     };
+    if let Some(mode) = record.clean {
+        if record
+            .deploy
+            .as_ref()
+            .is_some_and(|d| d.state != DeployState::Writing)
+        {
+            return done("this host's cleaning already ended");
+        }
+        tracing::info!(route = "/agent/task", machine = %record.metal_machine, host = %record.host, ?mode, client = ?ip, "cleaning task");
+        return json(StatusCode::OK, &AgentTask::Clean { mode });
+    }
     if machine.spec.mode != ProvisioningMode::Image {
         return done("this attempt netboots its OS (live mode); nothing to write");
     }
@@ -223,6 +234,18 @@ pub(super) async fn report(
         Ok(r) => r.sanitized(jiff::Timestamp::now().to_string()),
         Err(e) => return text(StatusCode::BAD_REQUEST, format!("not a report: {e}\n")),
     };
+    // A cleaning attempt ends Cleaned or Failed; a deployment ends Written or Failed.
+    let fits = match report.state {
+        DeployState::Written => record.clean.is_none(),
+        DeployState::Cleaned => record.clean.is_some(),
+        DeployState::Writing | DeployState::Failed => true,
+    };
+    if !fits {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("{:?} is not an outcome of this attempt\n", report.state),
+        );
+    }
     if let Some(previous) = &record.deploy {
         if previous.state != DeployState::Writing {
             return text(
@@ -276,6 +299,36 @@ pub(super) async fn report(
                         report.written_bytes,
                         report.device.as_deref().unwrap_or("its disk"),
                         record.host
+                    ),
+                )
+                .await;
+        }
+        DeployState::Cleaned => {
+            tracing::info!(route = "/agent/report", machine = %record.metal_machine, host = %record.host, message = ?report.message, client = ?ip, "host cleaned");
+            state
+                .event(
+                    &machine,
+                    EventType::Normal,
+                    "HostCleaned",
+                    format!(
+                        "MetalHost {}: {}",
+                        record.host,
+                        report.message.as_deref().unwrap_or("disks wiped")
+                    ),
+                )
+                .await;
+        }
+        DeployState::Failed if record.clean.is_some() => {
+            tracing::warn!(route = "/agent/report", machine = %record.metal_machine, host = %record.host, reason = ?report.reason, client = ?ip, "cleaning failed");
+            state
+                .event(
+                    &machine,
+                    EventType::Warning,
+                    "HostCleaningFailed",
+                    format!(
+                        "MetalHost {}: {}",
+                        record.host,
+                        report.message.as_deref().unwrap_or("no message")
                     ),
                 )
                 .await;

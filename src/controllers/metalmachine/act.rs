@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, Patch, PostParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -11,7 +12,7 @@ use kube::{Resource, ResourceExt};
 use crate::api::metalhost::{ConsumerReference, PowerState};
 use crate::api::{CLUSTER_NAME_LABEL, MetalHost, MetalMachine};
 use crate::bmc::{Bmc, BootDevice, PowerAction};
-use crate::boot::tokens::{self, NewAttempt};
+use crate::boot::tokens::{self, CleanAttempt, NewAttempt};
 use crate::controllers::expectations::object_key;
 use crate::controllers::power::Fault;
 use crate::controllers::{ReconcileError, merge_params};
@@ -198,16 +199,67 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 "powered-at",
             )
             .await?;
-            ctx.events
-                .publish(
-                    mm,
-                    false,
+            let (reason, note) = match record.clean {
+                Some(mode) => (
+                    "CleaningStarted",
+                    format!(
+                        "MetalHost {host}: one-time network boot set, {said} to wipe its disks ({mode:?})"
+                    ),
+                ),
+                None => (
                     "BootStarted",
                     format!(
                         "MetalHost {host}: one-time network boot set, {said} (attempt {attempt})"
                     ),
-                )
-                .await;
+                ),
+            };
+            ctx.events.publish(mm, false, reason, note).await;
+            Ok(())
+        }
+        Step::StartCleaning { host, mode } => {
+            let target = host_named(o, host)?;
+            let host_owner = OwnerReference {
+                api_version: MetalHost::api_version(&()).to_string(),
+                kind: MetalHost::kind(&()).to_string(),
+                name: host.clone(),
+                uid: target
+                    .uid()
+                    .ok_or_else(|| ActError::Conflict(format!("MetalHost {host} has no UID")))?,
+                controller: None,
+                block_owner_deletion: None,
+            };
+            let provider_id = mm.spec.provider_id.clone().unwrap_or_else(|| {
+                super::decide::provider_id(&namespace, host, &mm.uid().unwrap_or_default())
+            });
+            let mut secret = tokens::clean_boot_secret(&CleanAttempt {
+                namespace: &namespace,
+                metal_machine: &name,
+                host_owner,
+                cluster_name: mm.labels().get(CLUSTER_NAME_LABEL).map(String::as_str),
+                provider_id: &provider_id,
+                mode: *mode,
+            });
+            let current = ctx
+                .stores
+                .boot_secrets
+                .get(&ObjectRef::new(&boot_name).within(&namespace));
+            // Replacing the provisioning attempt's Secret (with its resourceVersion) kills its
+            // token in the same write that creates the cleaning token.
+            let written = match &current {
+                Some(old) => {
+                    secret.metadata.resource_version = old.resource_version();
+                    secrets
+                        .replace(&boot_name, &PostParams::default(), &secret)
+                        .await
+                }
+                None => secrets.create(&PostParams::default(), &secret).await,
+            }
+            .map_err(write_error(format!("Secret {boot_name}")))?;
+            ctx.expectations.wrote(
+                boot_key,
+                current.and_then(|s| s.resource_version()),
+                written.resource_version(),
+            );
             Ok(())
         }
         Step::NextAttempt => {
@@ -393,8 +445,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             }
             let failed = fault.as_ref().map(|f| {
                 format!(
-                    "released by MetalMachine {name} while its BMC could not power it off: {}",
-                    f.message
+                    "released by MetalMachine {name} ({}): {}",
+                    f.reason, f.message
                 )
             });
             let patch = super::claim::release_patch(failed.as_deref());

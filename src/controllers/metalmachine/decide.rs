@@ -7,8 +7,11 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
+use crate::agent::wipe::WipeMode;
 use crate::api::common::{MachineAddress, MachineAddressType};
+use crate::api::metalhost::CleaningMode;
 use crate::api::metalhost::PowerState;
+use crate::api::metalmachine::ProvisioningMode;
 use crate::api::metalmachine::{
     HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
 };
@@ -69,6 +72,12 @@ pub enum Step {
     /// restart on the boot Secret so it happens once.
     RestartToDisk {
         host: String,
+    },
+    /// Replace (or create) the boot Secret with a cleaning attempt for the released host: a fresh
+    /// token that boots the deploy agent to wipe its disks; the provisioning token dies.
+    StartCleaning {
+        host: String,
+        mode: WipeMode,
     },
     /// Delete the boot Secret: the token dies.
     DeleteBootSecret,
@@ -212,6 +221,11 @@ pub fn image_step(record: &BootRecord, now: jiff::Timestamp) -> ImageStep {
     match report.state {
         DeployState::Written if record.disk_boot_at.is_some() => ImageStep::BootingDisk,
         DeployState::Written => ImageStep::Restart,
+        // The boot service never records a cleaning outcome on a deployment.
+        DeployState::Cleaned => ImageStep::Failed {
+            reason: "AgentFailed".into(),
+            message: "the deploy agent reported a cleaning on a deployment".into(),
+        },
         DeployState::Failed => ImageStep::Failed {
             reason: report
                 .reason
@@ -798,6 +812,98 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
     }
 }
 
+/// How long a cleaning attempt waits for the deploy agent's first word after the power-on.
+pub const CLEANING_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How an image-mode machine's host is to be cleaned on release, if at all: only a host this
+/// machine may have written (powered for an attempt, or provisioned), and only when the host does
+/// not disable cleaning. Live mode writes nothing, so it cleans nothing.
+pub fn cleaning_wanted(o: &Observed, host: &MetalHost) -> Option<WipeMode> {
+    let mode = match host.spec.automated_cleaning_mode.unwrap_or_default() {
+        CleaningMode::Disabled => return None,
+        CleaningMode::Metadata => WipeMode::Metadata,
+        CleaningMode::Full => WipeMode::Full,
+    };
+    let mm = o.mm.as_ref();
+    if mm.spec.mode != ProvisioningMode::Image {
+        return None;
+    }
+    let touched = mm.spec.provider_id.is_some()
+        || match &o.boot {
+            BootObservation::Record(r) => r.powered_at.is_some() || r.deploy.is_some(),
+            BootObservation::Unreadable(_) => true,
+            BootObservation::None => false,
+        };
+    touched.then_some(mode)
+}
+
+/// Where a cleaning attempt stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CleanStep {
+    /// Not powered yet: netboot the deploy agent.
+    PowerOn,
+    /// Waiting for the agent; the message says for what.
+    Waiting(String),
+    /// Cleaned: power off and release.
+    Cleaned(String),
+    /// Not cleaned: power off and release into Error.
+    Failed(Fault),
+}
+
+pub fn clean_step(record: &BootRecord, now: jiff::Timestamp) -> CleanStep {
+    use crate::agent::protocol::DeployState;
+    let Some(powered) = record.powered_at else {
+        return CleanStep::PowerOn;
+    };
+    let since = |t: jiff::Timestamp| now.duration_since(t).unsigned_abs();
+    let Some(report) = &record.deploy else {
+        if since(powered) > CLEANING_TIMEOUT {
+            return CleanStep::Failed(Fault {
+                reason: "CleaningTimeout",
+                message: format!(
+                    "the deploy agent did not report within {} s of the power-on",
+                    CLEANING_TIMEOUT.as_secs()
+                ),
+            });
+        }
+        return CleanStep::Waiting("waiting for the deploy agent to clean it".into());
+    };
+    match report.state {
+        DeployState::Cleaned => CleanStep::Cleaned(report.message.clone().unwrap_or_default()),
+        DeployState::Failed => CleanStep::Failed(Fault {
+            reason: "CleaningFailed",
+            message: format!(
+                "{}: {}",
+                report.reason.as_deref().unwrap_or("AgentFailed"),
+                report.message.as_deref().unwrap_or("no message")
+            ),
+        }),
+        DeployState::Written => CleanStep::Failed(Fault {
+            reason: "CleaningFailed",
+            message: "the deploy agent reported a deployment on a cleaning".into(),
+        }),
+        DeployState::Writing => {
+            let last = report
+                .received_at
+                .as_deref()
+                .and_then(|t| t.parse::<jiff::Timestamp>().ok());
+            if last.is_some_and(|t| since(t) > AGENT_SILENCE) {
+                return CleanStep::Failed(Fault {
+                    reason: "AgentSilent",
+                    message: format!(
+                        "the deploy agent stopped reporting while cleaning (over {} s)",
+                        AGENT_SILENCE.as_secs()
+                    ),
+                });
+            }
+            CleanStep::Waiting(format!(
+                "cleaning: {} MiB wiped",
+                report.written_bytes / (1 << 20)
+            ))
+        }
+    }
+}
+
 /// Set by `clusterctl move` on each source object just before it deletes it.
 pub const DELETE_FOR_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/delete-for-move";
 
@@ -857,6 +963,71 @@ fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Dec
         ));
         return Decision::new(draft.done(), Step::Nothing, Some(POWER_SETTLE - ago));
     }
+    // Cleaning comes first for a host an image-mode tenant wrote: the deploy agent wipes its
+    // disks, then it is powered off (forced: nothing is left to shut down) and released; a host
+    // that could not be cleaned is released into Error, never Available.
+    let mut since_off_wanted = since_delete;
+    let mut graceful = policy.graceful_off;
+    let mut outcome: Result<String, Fault> = Ok(String::new());
+    match &o.boot {
+        BootObservation::Record(r) if r.clean.is_some() => match clean_step(r, o.now) {
+            CleanStep::PowerOn => {
+                draft.set(Want::f(
+                    READY,
+                    "Cleaning",
+                    format!(
+                        "netbooting MetalHost {host_name} into the deploy agent to wipe its disks"
+                    ),
+                ));
+                let step = Step::PowerOn {
+                    host: host_name,
+                    attempt: r.attempt,
+                };
+                return Decision::new(draft.done(), step, Some(Duration::from_secs(10)));
+            }
+            CleanStep::Waiting(message) => {
+                draft.set(Want::f(
+                    READY,
+                    "Cleaning",
+                    format!("MetalHost {host_name}: {message}"),
+                ));
+                return Decision::new(draft.done(), Step::Nothing, Some(Duration::from_secs(10)));
+            }
+            CleanStep::Cleaned(message) => {
+                outcome = Ok(message);
+                graceful = Duration::ZERO;
+            }
+            CleanStep::Failed(fault) => {
+                outcome = Err(fault);
+                graceful = Duration::ZERO;
+            }
+        },
+        _ => {
+            if let Some(mode) = cleaning_wanted(o, host) {
+                draft.set(Want::f(
+                    READY,
+                    "Cleaning",
+                    format!("cleaning MetalHost {host_name} ({mode:?}) before it is released"),
+                ));
+                let step = Step::StartCleaning {
+                    host: host_name,
+                    mode,
+                };
+                return Decision::new(draft.done(), step, None);
+            }
+        }
+    }
+    // After cleaning, the power-off deadline runs from the agent's last word, not the deletion.
+    if let BootObservation::Record(r) = &o.boot
+        && r.clean.is_some()
+        && let Some(at) = r
+            .deploy
+            .as_ref()
+            .and_then(|d| d.received_at.as_deref())
+            .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+    {
+        since_off_wanted = o.now.duration_since(at).unsigned_abs();
+    }
     let release = |fault: Option<Fault>| Step::Release {
         host: host_name.clone(),
         resource_version: host.resource_version().unwrap_or_default(),
@@ -864,16 +1035,33 @@ fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Dec
     };
     match power_off_step(
         power,
-        since_delete,
-        policy.graceful_off,
+        since_off_wanted,
+        graceful,
         Some(policy.deprovision_timeout),
         o.last_power_off,
     ) {
-        PowerOffStep::Done => Decision::new(draft.done(), release(None), None).noting(
-            false,
-            "HostReleased",
-            format!("MetalHost {host_name} powered off and released"),
-        ),
+        PowerOffStep::Done => match outcome {
+            Ok(cleaned) => Decision::new(draft.done(), release(None), None).noting(
+                false,
+                "HostReleased",
+                if cleaned.is_empty() {
+                    format!("MetalHost {host_name} powered off and released")
+                } else {
+                    format!("MetalHost {host_name} cleaned ({cleaned}), powered off and released")
+                },
+            ),
+            Err(fault) => {
+                let message = format!(
+                    "released MetalMachine although MetalHost {host_name} could not be cleaned ({}: {}); the host is in Error for an operator to check",
+                    fault.reason, fault.message
+                );
+                Decision::new(draft.done(), release(Some(fault)), None).noting(
+                    true,
+                    "HostCleaningFailed",
+                    message,
+                )
+            }
+        },
         PowerOffStep::Request(action) => {
             draft.set(Want::f(
                 READY,
@@ -1046,6 +1234,7 @@ mod tests {
             inspection: None,
             deploy: None,
             disk_boot_at: None,
+            clean: None,
             resource_version: Some("5".into()),
         }
     }
@@ -1533,6 +1722,223 @@ mod tests {
         ];
         for (what, o, want) in rows {
             assert_eq!(decide(&o, &policy()).step, want, "{what}");
+        }
+    }
+
+    /// Cleaning on release (issue 15): an image-mode tenant's host is wiped by the deploy agent
+    /// before it is released; one that cannot be wiped is released into Error.
+    #[test]
+    fn cleaning_rows() {
+        use crate::agent::protocol::{DeployReport, DeployState};
+        let report = |state: DeployState, received: i64| DeployReport {
+            state,
+            device: None,
+            written_bytes: 2 << 20,
+            total_bytes: None,
+            bytes_per_second: 0,
+            reason: (state == DeployState::Failed).then(|| "CleaningFailed".into()),
+            message: Some("wiped vda".into()),
+            received_at: Some(at(received).to_string()),
+        };
+        // An image-mode machine deleted 10 s before `now`, its host on, with `boot`.
+        let image = |provisioned: bool, boot: BootObservation, now: i64| {
+            let mut o = with_mm(claimed(observed()), |mm| {
+                mm.spec.mode = crate::api::metalmachine::ProvisioningMode::Image;
+                mm.spec.provider_id = provisioned.then(|| "metalboot://ns/h1/mm-uid".into());
+                mm.metadata.deletion_timestamp = Some(Time(at(now - 10)));
+            });
+            o.boot = boot;
+            o.now = at(now);
+            o.power = Some(Ok(PowerState::On));
+            o
+        };
+        let cleaning = |powered: Option<i64>, deploy: Option<DeployReport>| {
+            let mut r = record(1, powered, false);
+            r.clean = Some(WipeMode::Metadata);
+            r.deploy = deploy;
+            BootObservation::Record(Box::new(r))
+        };
+        let with_host_mode = |mut o: Observed, mode: CleaningMode| {
+            let mut h = (*o.hosts[0]).clone();
+            h.spec.automated_cleaning_mode = Some(mode);
+            o.hosts = vec![Arc::new(h)];
+            o
+        };
+        let release = |fault: Option<Fault>| Step::Release {
+            host: "h1".into(),
+            resource_version: "rv-h1".into(),
+            fault,
+        };
+        let off = |mut o: Observed| {
+            o.power = Some(Ok(PowerState::Off));
+            o
+        };
+        let start = |mode| Step::StartCleaning {
+            host: "h1".into(),
+            mode,
+        };
+        type Row = (&'static str, Observed, &'static str, Step);
+        let rows: Vec<Row> = vec![
+            (
+                "provisioned image-mode tenant released: start cleaning (metadata by default)",
+                image(true, BootObservation::None, 100),
+                "Cleaning",
+                start(WipeMode::Metadata),
+            ),
+            (
+                "the host asks for a full erase",
+                with_host_mode(image(true, BootObservation::None, 100), CleaningMode::Full),
+                "Cleaning",
+                start(WipeMode::Full),
+            ),
+            (
+                "an interrupted write (powered attempt, never provisioned): cleaned too",
+                image(
+                    false,
+                    BootObservation::Record(Box::new(record(1, Some(0), false))),
+                    100,
+                ),
+                "Cleaning",
+                start(WipeMode::Metadata),
+            ),
+            (
+                "never powered: nothing was written, plain power-off",
+                image(
+                    false,
+                    BootObservation::Record(Box::new(record(1, None, false))),
+                    100,
+                ),
+                "Deprovisioning",
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::GracefulOff,
+                },
+            ),
+            (
+                "cleaning disabled on the host: plain power-off",
+                with_host_mode(
+                    image(true, BootObservation::None, 100),
+                    CleaningMode::Disabled,
+                ),
+                "Deprovisioning",
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::GracefulOff,
+                },
+            ),
+            (
+                "live mode writes nothing: plain power-off",
+                with_mm(image(true, BootObservation::None, 100), |mm| {
+                    mm.spec.mode = crate::api::metalmachine::ProvisioningMode::Live
+                }),
+                "Deprovisioning",
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::GracefulOff,
+                },
+            ),
+            (
+                "cleaning attempt not powered: netboot the agent",
+                image(true, cleaning(None, None), 100),
+                "Cleaning",
+                Step::PowerOn {
+                    host: "h1".into(),
+                    attempt: 1,
+                },
+            ),
+            (
+                "agent not heard from, inside the cleaning timeout: wait",
+                image(true, cleaning(Some(50), None), 100),
+                "Cleaning",
+                Step::Nothing,
+            ),
+            (
+                "agent wiping, reported recently: wait",
+                image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Writing, 90))),
+                    100,
+                ),
+                "Cleaning",
+                Step::Nothing,
+            ),
+            (
+                "cleaned, host still on: forced off at once (nothing left to shut down)",
+                image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Cleaned, 90))),
+                    100,
+                ),
+                "Deprovisioning",
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::ForceOff,
+                },
+            ),
+            (
+                "cleaned long after the deletion: the power-off deadline runs from the agent's report",
+                image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Cleaned, 2000))),
+                    2010,
+                ),
+                "Deprovisioning",
+                Step::PowerOff {
+                    host: "h1".into(),
+                    action: PowerAction::ForceOff,
+                },
+            ),
+            (
+                "cleaned and off: released",
+                off(image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Cleaned, 90))),
+                    100,
+                )),
+                "",
+                release(None),
+            ),
+            (
+                "the agent could not wipe: released into Error",
+                off(image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Failed, 90))),
+                    100,
+                )),
+                "",
+                release(Some(Fault {
+                    reason: "CleaningFailed",
+                    message: "CleaningFailed: wiped vda".into(),
+                })),
+            ),
+            (
+                "the agent never came: released into Error after the cleaning timeout",
+                off(image(true, cleaning(Some(0), None), 700)),
+                "",
+                release(Some(Fault {
+                    reason: "CleaningTimeout",
+                    message: "the deploy agent did not report within 600 s of the power-on".into(),
+                })),
+            ),
+            (
+                "the agent fell silent while wiping: released into Error",
+                off(image(
+                    true,
+                    cleaning(Some(0), Some(report(DeployState::Writing, 100))),
+                    400,
+                )),
+                "",
+                release(Some(Fault {
+                    reason: "AgentSilent",
+                    message: "the deploy agent stopped reporting while cleaning (over 180 s)"
+                        .into(),
+                })),
+            ),
+        ];
+        for (what, o, reason, want) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want, "{what}");
+            assert_eq!(ready_reason(&d), reason, "{what}");
         }
     }
 
