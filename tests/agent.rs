@@ -465,3 +465,141 @@ async fn a_broken_image_download_is_resumed_where_it_stopped() {
         "one cut, one resume from the byte reached"
     );
 }
+
+/// Cleaning on release: a cleaning token (the boot Secret re-made for the released host) gets
+/// the agent a `clean` task, serves no NoCloud data, takes no callback and no deployment
+/// outcome; the agent wipes the disk's partition table and partition starts and reports
+/// `Cleaned`, after which the token has nothing more to do.
+#[tokio::test]
+async fn a_cleaning_token_only_wipes_the_disks() {
+    let ns = support::namespace("agent-clean").await;
+    install_crds(&ns.client).await;
+    let client = &ns.client;
+    let artifacts = tempfile::tempdir().expect("tmp");
+    let image = make_image(artifacts.path());
+    let host = create_host(client, &ns.name, "host-c", "52:54:00:20:00:0c").await;
+    let machine = image_machine(
+        client,
+        &ns.name,
+        "released",
+        ImageSpec {
+            url: "os.raw".into(),
+            checksum: digest_hex(ChecksumType::Sha256, &image),
+            checksum_type: ChecksumType::Sha256,
+            format: ImageFormat::Raw,
+        },
+    )
+    .await;
+    set_host_state(
+        client,
+        &ns.name,
+        "host-c",
+        HostState::Deprovisioning,
+        Some(&machine),
+    )
+    .await;
+    let secret = tokens::clean_boot_secret(&tokens::CleanAttempt {
+        namespace: &ns.name,
+        metal_machine: "released",
+        host_owner: k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "infrastructure.cluster.x-k8s.io/v1alpha1".into(),
+            kind: "MetalHost".into(),
+            name: "host-c".into(),
+            uid: host.metadata.uid.clone().expect("uid"),
+            ..Default::default()
+        },
+        cluster_name: None,
+        provider_id: "metalboot://ns/host-c/uid",
+        mode: metalboot::agent::wipe::WipeMode::Metadata,
+    });
+    let created = Api::<Secret>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("cleaning Secret");
+    let record = tokens::parse_boot_secret(&created).expect("parse");
+    let token = record.token.expose().to_string();
+    let (state, base) = start_boot_service(&ns, artifacts.path()).await;
+    until_stores("fixture in the stores", &state, |s| {
+        s.boot_secrets.state().len() == 1 && s.machines.state().len() == 1
+    })
+    .await;
+
+    let http = reqwest::Client::new();
+    for url in [
+        format!("{base}/nocloud/{token}/user-data"),
+        format!("{base}/nocloud/{token}/meta-data"),
+    ] {
+        let r = http.get(&url).send().await.expect("req");
+        assert_eq!(r.status().as_u16(), 404, "{url}");
+    }
+    let r = http
+        .post(format!("{base}/callback/{token}"))
+        .json(&serde_json::json!({"hostname": "x"}))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(
+        r.status().as_u16(),
+        404,
+        "a cleaning token takes no callback"
+    );
+    let r = http
+        .post(format!("{base}/agent/{token}/report"))
+        .json(&serde_json::json!({"state": "Written", "writtenBytes": 1}))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(r.status().as_u16(), 400, "a cleaning does not end Written");
+    let task = http
+        .get(format!("{base}/agent/{token}/task"))
+        .send()
+        .await
+        .expect("task")
+        .text()
+        .await
+        .expect("body");
+    assert_eq!(task, r#"{"action":"clean","mode":"metadata"}"#);
+
+    // The previous tenant's disk: the image, partition table and data.
+    let host_dir = tempfile::tempdir().expect("tmp");
+    let (sys_root, dev_dir) = make_host(host_dir.path());
+    let disk = dev_dir.join("vda");
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&disk)
+            .expect("disk");
+        f.write_all(&image).expect("previous tenant");
+    }
+    assert!(gpt::GptConfig::new().open(&disk).is_ok());
+    let outcome = run(AgentConfig {
+        url: format!("{base}/agent/{token}"),
+        sys_root,
+        dev_dir,
+        patience: std::time::Duration::from_secs(20),
+    })
+    .await
+    .expect("agent");
+    assert_eq!(outcome, Outcome::Cleaned);
+    let kept = boot_record(client, &ns.name, "released").await;
+    let report = kept.deploy.expect("report recorded");
+    assert_eq!(report.state, DeployState::Cleaned);
+    assert!(
+        report.message.as_deref().is_some_and(|m| m.contains("vda")),
+        "{report:?}"
+    );
+    assert!(read_at(&disk, 0, 1 << 20).iter().all(|b| *b == 0));
+    // The partition started at 1 MiB (sector 2048): its first MiB is gone too.
+    assert!(read_at(&disk, 1 << 20, 1 << 20).iter().all(|b| *b == 0));
+    assert!(gpt::GptConfig::new().open(&disk).is_err());
+    let again = http
+        .get(format!("{base}/agent/{token}/task"))
+        .send()
+        .await
+        .expect("task");
+    assert_eq!(
+        again.status().as_u16(),
+        404,
+        "the cleaning token is spent once it reported"
+    );
+}

@@ -5,7 +5,9 @@
 //! the real Debian image to the virtio disk; the controller restarts the host into its disk over
 //! the BMC; the installed OS's real cloud-init runs the user-data and calls back; the machine is
 //! provisioned. Then a power cycle through the BMC boots the installed OS again: no new token,
-//! the machine stays provisioned, the user-data does not run twice.
+//! the machine stays provisioned, the user-data does not run twice. Then the machine is deleted:
+//! the deploy agent wipes the disk before the host is Available again, and a second tenant's
+//! OS on the same host does not find the marker the first one left.
 
 mod support;
 
@@ -18,7 +20,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
-use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use metalboot::api::capi::{Cluster, ClusterSpec, Machine, MachineBootstrap, MachineSpec};
 use metalboot::api::cloudinitconfig::CloudInitConfigSpec;
 use metalboot::api::common::ContractVersionedObjectReference;
@@ -39,6 +41,9 @@ const MAC: &str = "52:54:00:6d:62:10";
 const USER: &str = "admin";
 const PASSWORD: &str = "image-e2e-bmc";
 const RAN: &str = "metalboot-e2e: user-data ran";
+/// What the first tenant's OS leaves on its disk, and what the second must not find.
+const MARKER: &str = "/var/lib/metalboot-e2e-tenant-1";
+const SECOND_RAN: &str = "metalboot-e2e: second tenant ran, no marker";
 
 fn console(host: &QemuHost) -> String {
     String::from_utf8_lossy(&std::fs::read(host.serial_log()).unwrap_or_default()).into_owned()
@@ -89,6 +94,10 @@ struct Env {
     bmc_address: String,
     machines: Api<MetalMachine>,
     secrets: Api<Secret>,
+    /// The image's sha256, for further tenants.
+    checksum: String,
+    /// The host's disk file.
+    disk: std::path::PathBuf,
     _manager: metalboot::manager::RunningManager,
     _work: tempfile::TempDir,
 }
@@ -196,55 +205,6 @@ async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32
         )
         .await
         .expect("Cluster status");
-    let user_data = render(
-        &CloudInitConfigSpec {
-            commands,
-            ..Default::default()
-        },
-        &Default::default(),
-    )
-    .expect("render");
-    secrets
-        .create(
-            &PostParams::default(),
-            &Secret {
-                metadata: ObjectMeta {
-                    name: Some("node-bootstrap".into()),
-                    ..Default::default()
-                },
-                data: Some(BTreeMap::from([(
-                    "value".to_string(),
-                    ByteString(user_data.into_bytes()),
-                )])),
-                type_: Some("cluster.x-k8s.io/secret".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("bootstrap Secret");
-    let machine = Api::<Machine>::namespaced(client.clone(), &ns.name)
-        .create(
-            &PostParams::default(),
-            &Machine::new(
-                "node",
-                MachineSpec {
-                    cluster_name: "c1".into(),
-                    bootstrap: MachineBootstrap {
-                        data_secret_name: Some("node-bootstrap".into()),
-                        ..Default::default()
-                    },
-                    infrastructure_ref: ContractVersionedObjectReference {
-                        api_group: "infrastructure.cluster.x-k8s.io".into(),
-                        kind: "MetalMachine".into(),
-                        name: "node".into(),
-                    },
-                    ..Default::default()
-                },
-            ),
-        )
-        .await
-        .expect("Machine");
-
     let manager = metalboot::manager::start(
         client.clone(),
         ManagerOptions {
@@ -268,13 +228,89 @@ async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32
     .await
     .expect("manager starts");
 
+    add_tenant(client, &ns.name, "node", commands, &checksum, boot_timeout).await;
+    let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
+    Env {
+        ns,
+        host,
+        bmc_address,
+        machines,
+        secrets,
+        checksum,
+        disk,
+        _manager: manager,
+        _work: work,
+    }
+}
+
+/// A tenant: the bootstrap data Secret running `commands`, its Machine, and the image-mode
+/// MetalMachine `name` with `boot_timeout` seconds and no retries.
+async fn add_tenant(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    commands: Vec<String>,
+    checksum: &str,
+    boot_timeout: i32,
+) {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let bootstrap = format!("{name}-bootstrap");
+    let user_data = render(
+        &CloudInitConfigSpec {
+            commands,
+            ..Default::default()
+        },
+        &Default::default(),
+    )
+    .expect("render");
+    secrets
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: ObjectMeta {
+                    name: Some(bootstrap.clone()),
+                    ..Default::default()
+                },
+                data: Some(BTreeMap::from([(
+                    "value".to_string(),
+                    ByteString(user_data.into_bytes()),
+                )])),
+                type_: Some("cluster.x-k8s.io/secret".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("bootstrap Secret");
+    let machine = Api::<Machine>::namespaced(client.clone(), namespace)
+        .create(
+            &PostParams::default(),
+            &Machine::new(
+                name,
+                MachineSpec {
+                    cluster_name: "c1".into(),
+                    bootstrap: MachineBootstrap {
+                        data_secret_name: Some(bootstrap.clone()),
+                        ..Default::default()
+                    },
+                    infrastructure_ref: ContractVersionedObjectReference {
+                        api_group: "infrastructure.cluster.x-k8s.io".into(),
+                        kind: "MetalMachine".into(),
+                        name: name.into(),
+                    },
+                    ..Default::default()
+                },
+            ),
+        )
+        .await
+        .expect("Machine");
+
     let mut mm = MetalMachine::new(
-        "node",
+        name,
         MetalMachineSpec {
             mode: ProvisioningMode::Image,
             image: Some(ImageSpec {
                 url: "debian.raw.gz".into(),
-                checksum,
+                checksum: checksum.to_string(),
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Gzip,
             }),
@@ -290,25 +326,16 @@ async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32
     mm.metadata.owner_references = Some(vec![OwnerReference {
         api_version: "cluster.x-k8s.io/v1beta2".into(),
         kind: "Machine".into(),
-        name: "node".into(),
+        name: name.into(),
         uid: machine.uid().expect("uid"),
         controller: Some(true),
         block_owner_deletion: Some(true),
     }]);
-    let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
+    let machines: Api<MetalMachine> = Api::namespaced(client.clone(), namespace);
     machines
         .create(&PostParams::default(), &mm)
         .await
         .expect("MetalMachine");
-    Env {
-        ns,
-        host,
-        bmc_address,
-        machines,
-        secrets,
-        _manager: manager,
-        _work: work,
-    }
 }
 
 #[tokio::test]
@@ -316,7 +343,11 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
     let env = setup(
         "image-e2e",
         MAC,
-        vec![format!("echo '{RAN}' > /dev/console")],
+        vec![
+            format!("echo tenant-1 > {MARKER}"),
+            format!("test -e {MARKER}"),
+            format!("echo '{RAN}' > /dev/console"),
+        ],
         900,
     )
     .await;
@@ -406,6 +437,109 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             .is_none(),
         "a boot Secret (a new token) exists after the power cycle"
     );
+
+    // Release: the deploy agent wipes the disk before the host is Available again.
+    let starts = partition_starts(&env.disk);
+    assert!(
+        starts.len() >= 2,
+        "the installed disk has its partitions: {starts:?}"
+    );
+    machines
+        .delete("node", &DeleteParams::default())
+        .await
+        .expect("delete the MetalMachine");
+    let released = support::eventually_or("the host cleaned and Available", 900, || async {
+        let h = hosts.get("host-0").await.ok()?;
+        let available = h.spec.consumer_ref.is_none()
+            && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available);
+        let gone = machines.get_opt("node").await.ok()?.is_none();
+        (available && gone).then_some(h)
+    })
+    .await;
+    let text = console(host);
+    let Some(_) = released else {
+        let mm = machines.get_opt("node").await.ok().flatten();
+        let h = hosts.get("host-0").await.ok();
+        panic!(
+            "not released: {:#?}\n{:#?}\nconsole:\n{}",
+            mm.and_then(|m| m.status),
+            h.and_then(|h| h.status),
+            tail(&text, 8000)
+        );
+    };
+    assert!(
+        text.contains("cleaning ended"),
+        "the deploy agent cleaned this host:\n{}",
+        tail(&text, 8000)
+    );
+    let size = std::fs::metadata(&env.disk).expect("disk").len();
+    let mut wiped = vec![0, size - (1 << 20)];
+    wiped.extend(&starts);
+    for offset in wiped {
+        assert!(
+            zeroed(&env.disk, offset, 1 << 20),
+            "the MiB at {offset} of the released disk still has data"
+        );
+    }
+    assert!(
+        partition_starts(&env.disk).is_empty(),
+        "a partition table survived the cleaning"
+    );
+
+    // A second tenant on the same host: its OS must not find the first one's marker (its
+    // commands stop at the test, and nothing calls back, if it does).
+    add_tenant(
+        client,
+        &ns.name,
+        "node2",
+        vec![
+            format!("test ! -e {MARKER}"),
+            format!("echo '{SECOND_RAN}' > /dev/console"),
+        ],
+        &env.checksum,
+        900,
+    )
+    .await;
+    let second = support::eventually_or("the second tenant provisioned", 1500, || async {
+        machines
+            .get("node2")
+            .await
+            .ok()
+            .filter(|m| m.spec.provider_id.is_some())
+    })
+    .await;
+    let text = console(host);
+    assert!(
+        second.is_some(),
+        "the second tenant was not provisioned:\n{}",
+        tail(&text, 8000)
+    );
+    assert_eq!(text.matches(SECOND_RAN).count(), 1, "{}", tail(&text, 8000));
+}
+
+/// Where the disk's GPT partitions start, in bytes (none when no table is readable).
+fn partition_starts(disk: &Path) -> Vec<u64> {
+    let Ok(table) = gpt::GptConfig::new().writable(false).open(disk) else {
+        return Vec::new();
+    };
+    table
+        .partitions()
+        .values()
+        .filter(|p| p.is_used())
+        .map(|p| p.first_lba * 512)
+        .collect()
+}
+
+/// Whether `len` bytes of `disk` from `offset` are all zero.
+fn zeroed(disk: &Path, offset: u64, len: usize) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut buf = vec![0u8; len];
+    std::fs::File::open(disk)
+        .and_then(|mut f| {
+            f.seek(SeekFrom::Start(offset))?;
+            f.read_exact(&mut buf)
+        })
+        .is_ok_and(|()| buf.iter().all(|b| *b == 0))
 }
 
 /// A bootstrap command that fails under the real cloud-init on the installed OS: no sentinel, no
