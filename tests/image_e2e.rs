@@ -102,7 +102,14 @@ struct Env {
     _work: tempfile::TempDir,
 }
 
-async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32) -> Env {
+/// `checksum_override`: the first tenant's image checksum, when not the image's own.
+async fn setup(
+    prefix: &str,
+    mac: &str,
+    commands: Vec<String>,
+    boot_timeout: i32,
+    checksum_override: Option<&str>,
+) -> Env {
     metalboot::telemetry::init(
         metalboot::telemetry::LogFormat::Text,
         Some("info,metalboot=debug,kube_runtime=warn"),
@@ -228,7 +235,8 @@ async fn setup(prefix: &str, mac: &str, commands: Vec<String>, boot_timeout: i32
     .await
     .expect("manager starts");
 
-    add_tenant(client, &ns.name, "node", commands, &checksum, boot_timeout).await;
+    let first = checksum_override.unwrap_or(&checksum);
+    add_tenant(client, &ns.name, "node", commands, first, boot_timeout).await;
     let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
     Env {
         ns,
@@ -349,6 +357,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             format!("echo '{RAN}' > /dev/console"),
         ],
         900,
+        None,
     )
     .await;
     let Env {
@@ -444,29 +453,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         starts.len() >= 2,
         "the installed disk has its partitions: {starts:?}"
     );
-    machines
-        .delete("node", &DeleteParams::default())
-        .await
-        .expect("delete the MetalMachine");
-    let released = support::eventually_or("the host cleaned and Available", 900, || async {
-        let h = hosts.get("host-0").await.ok()?;
-        let available = h.spec.consumer_ref.is_none()
-            && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available);
-        let gone = machines.get_opt("node").await.ok()?.is_none();
-        (available && gone).then_some(h)
-    })
-    .await;
-    let text = console(host);
-    let Some(_) = released else {
-        let mm = machines.get_opt("node").await.ok().flatten();
-        let h = hosts.get("host-0").await.ok();
-        panic!(
-            "not released: {:#?}\n{:#?}\nconsole:\n{}",
-            mm.and_then(|m| m.status),
-            h.and_then(|h| h.status),
-            tail(&text, 8000)
-        );
-    };
+    let text = delete_and_release(&env).await;
     assert!(
         text.contains("cleaning ended"),
         "the deploy agent cleaned this host:\n{}",
@@ -517,6 +504,53 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
     assert_eq!(text.matches(SECOND_RAN).count(), 1, "{}", tail(&text, 8000));
 }
 
+/// Waits for the first tenant's machine to fail; returns it and the console so far.
+async fn until_failed(env: &Env) -> (MetalMachine, String) {
+    let failed = support::eventually_or("the machine failed", 1500, || async {
+        env.machines.get("node").await.ok().filter(|m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| s.failure_reason.is_some())
+        })
+    })
+    .await;
+    let text = console(&env.host);
+    let Some(failed) = failed else {
+        panic!("the machine did not fail:\n{}", tail(&text, 8000));
+    };
+    (failed, text)
+}
+
+/// Deletes the first tenant's MetalMachine and waits until it is gone and its host is released
+/// and Available; returns the console so far.
+async fn delete_and_release(env: &Env) -> String {
+    env.machines
+        .delete("node", &DeleteParams::default())
+        .await
+        .expect("delete the MetalMachine");
+    let hosts: Api<MetalHost> = Api::namespaced(env.ns.client.clone(), &env.ns.name);
+    let released = support::eventually_or("the host cleaned and Available", 900, || async {
+        let h = hosts.get("host-0").await.ok()?;
+        let available = h.spec.consumer_ref.is_none()
+            && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available);
+        let gone = env.machines.get_opt("node").await.ok()?.is_none();
+        (available && gone).then_some(())
+    })
+    .await;
+    let text = console(&env.host);
+    if released.is_none() {
+        let mm = env.machines.get_opt("node").await.ok().flatten();
+        let h = hosts.get("host-0").await.ok();
+        panic!(
+            "not released: {:#?}\n{:#?}\nconsole:\n{}",
+            mm.and_then(|m| m.status),
+            h.and_then(|h| h.status),
+            tail(&text, 8000)
+        );
+    }
+    text
+}
+
 /// Where the disk's GPT partitions start, in bytes (none when no table is readable).
 fn partition_starts(disk: &Path) -> Vec<u64> {
     let Ok(table) = gpt::GptConfig::new().writable(false).open(disk) else {
@@ -556,20 +590,10 @@ async fn a_failing_bootstrap_command_ends_in_the_boot_timeout() {
             format!("echo '{RAN}' > /dev/console"),
         ],
         240,
+        None,
     )
     .await;
-    let failed = support::eventually_or("the machine failed", 1500, || async {
-        env.machines.get("node").await.ok().filter(|m| {
-            m.status
-                .as_ref()
-                .is_some_and(|s| s.failure_reason.is_some())
-        })
-    })
-    .await;
-    let text = console(&env.host);
-    let Some(failed) = failed else {
-        panic!("the machine did not fail:\n{}", tail(&text, 8000));
-    };
+    let (failed, text) = until_failed(&env).await;
     let status = failed.status.clone().unwrap_or_default();
     assert_eq!(
         status.failure_reason.as_deref(),
@@ -587,4 +611,41 @@ async fn a_failing_bootstrap_command_ends_in_the_boot_timeout() {
         !text.contains("reporting to the boot service"),
         "vendor-data reported success without the sentinel"
     );
+}
+
+/// A wrong checksum through the whole manager: the real agent streams the image, finds the digest
+/// differs, wipes what it wrote and reports; with no retries the machine fails with
+/// `ImageChecksumMismatch`, never provisioned, and the host never boots its disk. Deleting the
+/// machine cleans the host, which is Available again.
+#[tokio::test]
+async fn a_wrong_checksum_fails_the_machine_and_the_host_is_cleaned_on_release() {
+    let env = setup(
+        "image-e2e-sum",
+        "52:54:00:6d:62:12",
+        vec![format!("echo '{RAN}' > /dev/console")],
+        900,
+        Some(&"0".repeat(64)),
+    )
+    .await;
+    let (failed, text) = until_failed(&env).await;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(
+        status.failure_reason.as_deref(),
+        Some("ImageChecksumMismatch"),
+        "{status:?}"
+    );
+    assert!(failed.spec.provider_id.is_none(), "provisioned after all");
+    assert!(!text.contains(RAN), "the installed OS ran the user-data");
+    assert!(
+        partition_starts(&env.disk).is_empty(),
+        "the failed write was not wiped"
+    );
+
+    let text = delete_and_release(&env).await;
+    assert!(
+        text.contains("cleaning ended"),
+        "the host was cleaned before release:\n{}",
+        tail(&text, 8000)
+    );
+    assert!(zeroed(&env.disk, 0, 1 << 20));
 }

@@ -816,8 +816,9 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
 pub const CLEANING_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How an image-mode machine's host is to be cleaned on release, if at all: only a host this
-/// machine may have written (powered for an attempt, or provisioned), and only when the host does
-/// not disable cleaning. Live mode writes nothing, so it cleans nothing.
+/// machine may have written (powered for an attempt, provisioned, or failed: a terminal failure
+/// deletes the boot Secret that said whether it was powered), and only when the host does not
+/// disable cleaning. Live mode writes nothing, so it cleans nothing.
 pub fn cleaning_wanted(o: &Observed, host: &MetalHost) -> Option<WipeMode> {
     let mode = match host.spec.automated_cleaning_mode.unwrap_or_default() {
         CleaningMode::Disabled => return None,
@@ -828,7 +829,12 @@ pub fn cleaning_wanted(o: &Observed, host: &MetalHost) -> Option<WipeMode> {
     if mm.spec.mode != ProvisioningMode::Image {
         return None;
     }
+    let failed = mm
+        .status
+        .as_ref()
+        .is_some_and(|s| s.failure_reason.is_some());
     let touched = mm.spec.provider_id.is_some()
+        || failed
         || match &o.boot {
             BootObservation::Record(r) => r.powered_at.is_some() || r.deploy.is_some(),
             BootObservation::Unreadable(_) => true,
@@ -1798,6 +1804,17 @@ mod tests {
                     BootObservation::Record(Box::new(record(1, Some(0), false))),
                     100,
                 ),
+                "Cleaning",
+                start(WipeMode::Metadata),
+            ),
+            (
+                "failed attempt (its boot Secret deleted at the failure): cleaned",
+                with_mm(image(false, BootObservation::None, 100), |mm| {
+                    mm.status = Some(MetalMachineStatus {
+                        failure_reason: Some("ImageChecksumMismatch".into()),
+                        ..Default::default()
+                    })
+                }),
                 "Cleaning",
                 start(WipeMode::Metadata),
             ),
