@@ -386,9 +386,19 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         );
     };
     let hosts: Api<MetalHost> = Api::namespaced(client.clone(), &ns.name);
-    let metal_host = hosts.get("host-0").await.expect("host");
-    let status = metal_host.status.clone().unwrap_or_default();
-    assert_eq!(status.state, Some(HostState::Provisioned), "{status:?}");
+    // The MetalHost controller shows the claim's outcome on its own pass, after the machine's.
+    let provisioned_host = support::eventually_or("the MetalHost Provisioned", 60, || async {
+        let h = hosts.get("host-0").await.ok()?;
+        (h.status.as_ref()?.state == Some(HostState::Provisioned)).then_some(h)
+    })
+    .await;
+    let status = match provisioned_host {
+        Some(h) => h.status.unwrap_or_default(),
+        None => {
+            let h = hosts.get("host-0").await.expect("host");
+            panic!("the MetalHost is not Provisioned: {:?}", h.status);
+        }
+    };
     let hardware = status.hardware.expect("hardware");
     let vda = hardware
         .disks
