@@ -8,6 +8,11 @@
 //! the machine stays provisioned, the user-data does not run twice. Then the machine is deleted:
 //! the deploy agent wipes the disk before the host is Available again, and a second tenant's
 //! OS on the same host does not find the marker the first one left.
+//!
+//! Live mode on the same rig, with a diskless host: the real Debian system netboots through
+//! live-boot (kernel, initrd, squashfs over HTTP) and its real cloud-init calls back; a reset
+//! through the BMC network-boots it again with a fresh per-boot token, and it comes back as the
+//! same node (hostname, providerID) while the machine stays provisioned.
 
 mod support;
 
@@ -57,7 +62,8 @@ fn tail(s: &str, n: usize) -> &str {
     &s[start..]
 }
 
-/// The deploy ramdisk and the image, as `make test` builds them, in a fresh artifacts directory.
+/// The deploy ramdisk, the image and the live system, as `make test` builds them, in a fresh
+/// artifacts directory.
 fn artifacts(dir: &Path) -> String {
     let project = Path::new(env!("CARGO_MANIFEST_DIR"));
     let os = project.join("target/lab/os");
@@ -66,6 +72,12 @@ fn artifacts(dir: &Path) -> String {
         (ramdisk.join("vmlinuz"), "deploy-vmlinuz"),
         (ramdisk.join("initrd.gz"), "deploy-initrd.gz"),
         (os.join("debian.raw.gz"), "debian.raw.gz"),
+        (os.join("live/vmlinuz"), "live-vmlinuz"),
+        (os.join("live/initrd.img"), "live-initrd.img"),
+        (
+            os.join("live/filesystem.squashfs"),
+            "live-filesystem.squashfs",
+        ),
     ] {
         assert!(
             from.exists(),
@@ -96,19 +108,35 @@ struct Env {
     secrets: Api<Secret>,
     /// The image's sha256, for further tenants.
     checksum: String,
-    /// The host's disk file.
+    /// The host's disk file (none is attached in live mode).
     disk: std::path::PathBuf,
+    /// The boot service's port on loopback.
+    boot_port: u16,
     _manager: metalboot::manager::RunningManager,
     _work: tempfile::TempDir,
 }
 
-/// `checksum_override`: the first tenant's image checksum, when not the image's own.
+/// How the first tenant gets its OS.
+enum First<'a> {
+    /// Image mode; `checksum_override`: the image checksum, when not the image's own.
+    Image { checksum_override: Option<&'a str> },
+    /// Live mode, on a host with no disk.
+    Live,
+}
+
+/// A tenant's OS: image mode with the image's checksum, or live mode booting the live system
+/// from the boot service at `base_url` (as the guest reaches it).
+enum TenantOs<'a> {
+    Image(&'a str),
+    Live { base_url: String },
+}
+
 async fn setup(
     prefix: &str,
     mac: &str,
     commands: Vec<String>,
     boot_timeout: i32,
-    checksum_override: Option<&str>,
+    first: First<'_>,
 ) -> Env {
     metalboot::telemetry::init(
         metalboot::telemetry::LogFormat::Text,
@@ -143,7 +171,7 @@ async fn setup(
         dir: work.path().join("host-0"),
         accel: Accel::Tcg,
         graceful_seconds: 5,
-        disk: Some(disk.clone()),
+        disk: matches!(first, First::Image { .. }).then(|| disk.clone()),
     }));
     let bmc = Arc::new(VirtualBmc::new(
         vec![host.clone()],
@@ -235,8 +263,15 @@ async fn setup(
     .await
     .expect("manager starts");
 
-    let first = checksum_override.unwrap_or(&checksum);
-    add_tenant(client, &ns.name, "node", commands, first, boot_timeout).await;
+    let os = match first {
+        First::Image { checksum_override } => {
+            TenantOs::Image(checksum_override.unwrap_or(&checksum))
+        }
+        First::Live => TenantOs::Live {
+            base_url: format!("http://10.0.2.2:{port}"),
+        },
+    };
+    add_tenant(client, &ns.name, "node", commands, os, boot_timeout).await;
     let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
     Env {
         ns,
@@ -246,19 +281,20 @@ async fn setup(
         secrets,
         checksum,
         disk,
+        boot_port: port,
         _manager: manager,
         _work: work,
     }
 }
 
-/// A tenant: the bootstrap data Secret running `commands`, its Machine, and the image-mode
-/// MetalMachine `name` with `boot_timeout` seconds and no retries.
+/// A tenant: the bootstrap data Secret running `commands`, its Machine, and the MetalMachine
+/// `name` with `boot_timeout` seconds and no retries.
 async fn add_tenant(
     client: &kube::Client,
     namespace: &str,
     name: &str,
     commands: Vec<String>,
-    checksum: &str,
+    os: TenantOs<'_>,
     boot_timeout: i32,
 ) {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
@@ -312,9 +348,8 @@ async fn add_tenant(
         .await
         .expect("Machine");
 
-    let mut mm = MetalMachine::new(
-        name,
-        MetalMachineSpec {
+    let spec = match os {
+        TenantOs::Image(checksum) => MetalMachineSpec {
             mode: ProvisioningMode::Image,
             image: Some(ImageSpec {
                 url: "debian.raw.gz".into(),
@@ -322,9 +357,27 @@ async fn add_tenant(
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Gzip,
             }),
+            ..Default::default()
+        },
+        // Debian's live-boot fetches the root squashfs itself: its URL is on the command line.
+        TenantOs::Live { base_url } => MetalMachineSpec {
+            mode: ProvisioningMode::Live,
+            boot: Some(BootProfile {
+                kernel: "live-vmlinuz".into(),
+                initrds: vec!["live-initrd.img".into()],
+                cmdline: Some(format!(
+                    "boot=live fetch={base_url}/artifacts/live-filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0"
+                )),
+            }),
+            ..Default::default()
+        },
+    };
+    let mut mm = MetalMachine::new(
+        name,
+        MetalMachineSpec {
             boot_timeout_seconds: Some(boot_timeout),
             boot_retries: Some(0),
-            ..Default::default()
+            ..spec
         },
     );
     mm.metadata.labels = Some(BTreeMap::from([(
@@ -357,7 +410,9 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             format!("echo '{RAN}' > /dev/console"),
         ],
         900,
-        None,
+        First::Image {
+            checksum_override: None,
+        },
     )
     .await;
     let Env {
@@ -493,7 +548,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             format!("test ! -e {MARKER}"),
             format!("echo '{SECOND_RAN}' > /dev/console"),
         ],
-        &env.checksum,
+        TenantOs::Image(&env.checksum),
         900,
     )
     .await;
@@ -600,7 +655,9 @@ async fn a_failing_bootstrap_command_ends_in_the_boot_timeout() {
             format!("echo '{RAN}' > /dev/console"),
         ],
         240,
-        None,
+        First::Image {
+            checksum_override: None,
+        },
     )
     .await;
     let (failed, text) = until_failed(&env).await;
@@ -634,7 +691,9 @@ async fn a_wrong_checksum_fails_the_machine_and_the_host_is_cleaned_on_release()
         "52:54:00:6d:62:12",
         vec![format!("echo '{RAN}' > /dev/console")],
         900,
-        Some(&"0".repeat(64)),
+        First::Image {
+            checksum_override: Some(&"0".repeat(64)),
+        },
     )
     .await;
     let (failed, text) = until_failed(&env).await;
@@ -658,4 +717,184 @@ async fn a_wrong_checksum_fails_the_machine_and_the_host_is_cleaned_on_release()
         tail(&text, 8000)
     );
     assert!(zeroed(&env.disk, 0, 1 << 20));
+}
+
+/// What the live system's user-data prints on each boot, with the hostname and providerID the
+/// node came up with.
+const LIVE_RAN: &str = "metalboot-e2e-live: booted";
+
+/// The `LIVE_RAN` lines of the console: one per boot of the live system.
+fn live_boots(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.find(LIVE_RAN).map(|at| l[at..].trim().to_string()))
+        .collect()
+}
+
+async fn boot_record(env: &Env) -> Option<metalboot::boot::tokens::BootRecord> {
+    let secret = env
+        .secrets
+        .get_opt(&metalboot::boot::tokens::boot_secret_name("node"))
+        .await
+        .ok()??;
+    metalboot::boot::tokens::parse_boot_secret(&secret).ok()
+}
+
+/// Live mode, diskless: the real Debian system netboots through live-boot and real cloud-init
+/// calls back; the boot Secret stays, armed with a fresh token for the next boot. A reset through
+/// the BMC network-boots the host again: the armed token serves the same identity, the OS comes
+/// back as the same node (hostname and providerID, printed by the user-data on each boot) and
+/// calls back; the machine never leaves Ready; the Secret is re-armed with yet another token and
+/// the token of the first boot is refused. Deleting the machine powers the host off and releases
+/// it without cleaning (nothing was written).
+#[tokio::test]
+async fn a_live_mode_host_reboots_into_its_os_as_the_same_node() {
+    let env = setup(
+        "live-e2e",
+        "52:54:00:6d:62:13",
+        vec![format!(
+            "echo \"{LIVE_RAN} as $(hostname) with $(grep -o 'metalboot://[^\" ]*' /run/cloud-init/instance-data.json | head -n1)\" > /dev/console"
+        )],
+        900,
+        First::Live,
+    )
+    .await;
+    let Env {
+        ns,
+        host,
+        bmc_address,
+        machines,
+        ..
+    } = &env;
+    let provisioned = support::eventually_or("the live MetalMachine provisioned", 1200, || async {
+        machines
+            .get("node")
+            .await
+            .ok()
+            .filter(|m| m.spec.provider_id.is_some())
+    })
+    .await;
+    let Some(provisioned) = provisioned else {
+        let mm = machines.get("node").await.ok();
+        panic!(
+            "not provisioned: {:#?}\nconsole:\n{}",
+            mm.and_then(|m| m.status),
+            tail(&console(host), 8000)
+        );
+    };
+    let provider_id = provisioned.spec.provider_id.clone().unwrap_or_default();
+    let text = console(host);
+    assert!(
+        text.contains("live-boot") || text.contains("/run/live"),
+        "the host booted through live-boot:\n{}",
+        tail(&text, 8000)
+    );
+    let first_boot = live_boots(&text);
+    assert_eq!(
+        first_boot,
+        vec![format!("{LIVE_RAN} as host-0 with {provider_id}")],
+        "{}",
+        tail(&text, 8000)
+    );
+    // The provisioning token dies; a token for the next boot takes its place.
+    let armed = support::eventually("the next boot armed", 60, || async {
+        boot_record(&env).await.filter(|r| r.reboot == Some(1))
+    })
+    .await;
+    let ready_since = |mm: &MetalMachine| {
+        mm.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready" && c.status == "True")
+                .map(|c| c.last_transition_time.clone())
+        })
+    };
+    let ready_at = support::eventually("the MetalMachine Ready", 60, || async {
+        machines
+            .get("node")
+            .await
+            .ok()
+            .as_ref()
+            .and_then(ready_since)
+    })
+    .await;
+
+    // A reset through the BMC: the host network-boots its OS again, with the armed token.
+    let driver = RedfishBmc::new(
+        bmc_address,
+        Credentials::new(USER, PASSWORD),
+        RedfishOptions::default(),
+    )
+    .expect("driver");
+    driver.power(PowerAction::Cycle).await.expect("power cycle");
+    let rearmed = support::eventually_or("the reboot called back and re-armed", 900, || async {
+        boot_record(&env).await.filter(|r| r.reboot == Some(2))
+    })
+    .await;
+    let text = console(host);
+    let Some(rearmed) = rearmed else {
+        panic!(
+            "the rebooted host did not call back: {:?}\nconsole:\n{}",
+            boot_record(&env).await.map(|r| (r.reboot, r.callback)),
+            tail(&text, 8000)
+        );
+    };
+    assert_eq!(
+        live_boots(&text),
+        vec![
+            format!("{LIVE_RAN} as host-0 with {provider_id}"),
+            format!("{LIVE_RAN} as host-0 with {provider_id}"),
+        ],
+        "the second boot is the same node:\n{}",
+        tail(&text, 8000)
+    );
+    assert_ne!(rearmed.token, armed.token, "each boot has its own token");
+    assert_eq!(
+        (rearmed.attempt, &rearmed.instance_id),
+        (armed.attempt, &armed.instance_id),
+        "a reboot is not a new attempt"
+    );
+    let after = machines.get("node").await.expect("MetalMachine");
+    assert_eq!(
+        after.spec.provider_id.as_deref(),
+        Some(provider_id.as_str())
+    );
+    assert_eq!(
+        ready_since(&after),
+        Some(ready_at),
+        "the machine left Ready during the reboot"
+    );
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(ns.client.clone(), &ns.name);
+    let rebooted = support::eventually("the HostRebooted Event", 30, || async {
+        events
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("HostRebooted"))
+    })
+    .await;
+    assert!(
+        rebooted
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("as host-0") && m.contains("boot 1")),
+        "{rebooted:?}"
+    );
+    // The first boot's token is spent: nothing is served for it any more.
+    let stale = reqwest::get(format!(
+        "http://127.0.0.1:{}/nocloud/{}/user-data",
+        env.boot_port,
+        armed.token.expose()
+    ))
+    .await
+    .expect("boot service");
+    assert_eq!(stale.status(), reqwest::StatusCode::NOT_FOUND);
+
+    // Release: powered off, Available, nothing to clean.
+    let text = delete_and_release(&env).await;
+    assert!(
+        !text.contains("metalboot::agent"),
+        "a live host was netbooted into the deploy agent"
+    );
 }

@@ -2,7 +2,9 @@
 # Builds the lab's installed OS: a Debian bookworm disk image with systemd, Debian's kernel, the
 # real cloud-init and GRUB for both BIOS (SeaBIOS) and UEFI (OVMF), from Debian's packages with
 # mmdebstrap. Output: target/lab/os/debian.raw (sparse), debian.raw.gz and debian.qcow2, and their
-# sha256/sha512 sums. Cached: rebuilt only when this directory's files change.
+# sha256/sha512 sums; and the same system for live mode (diskless, netbooted on every boot):
+# target/lab/os/live/{vmlinuz,initrd.img,filesystem.squashfs}, booted by Debian's live-boot with
+# `boot=live fetch=<squashfs URL>`. Cached: rebuilt only when this directory's files change.
 #
 # GPT layout: 1 BIOS boot partition (core.img), 2 EFI system partition (removable-path GRUB),
 # 3 ext4 root labelled "metalboot-root". cloud-init's NoCloud datasource is left to find its seed:
@@ -17,11 +19,11 @@ suite=bookworm
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 mkdir -p "$out"
 want="$(cat "$here"/* | sha256sum | cut -c1-16) $size $suite"
-if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/debian.raw" ] && [ -s "$out/debian.raw.gz" ] && [ -s "$out/debian.qcow2" ]; then
+if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/debian.raw" ] && [ -s "$out/debian.raw.gz" ] && [ -s "$out/debian.qcow2" ] && [ -s "$out/live/filesystem.squashfs" ]; then
   echo "os image: reusing $out"
   exit 0
 fi
-for tool in mmdebstrap grub-install grub-mkimage mkfs.vfat mcopy mkfs.ext4 sgdisk losetup qemu-img; do
+for tool in mmdebstrap grub-install grub-mkimage mkfs.vfat mcopy mkfs.ext4 sgdisk losetup qemu-img mksquashfs; do
   command -v "$tool" >/dev/null || { echo "os image: $tool is required (make deps)" >&2; exit 1; }
 done
 [ -d /usr/lib/grub/i386-pc ] && [ -d /usr/lib/grub/x86_64-efi ] || { echo "os image: grub-pc-bin and grub-efi-amd64-bin are required" >&2; exit 1; }
@@ -39,7 +41,7 @@ echo "os image: debootstrapping $suite (mmdebstrap)"
 packages=(
   systemd-sysv udev dbus linux-image-cloud-amd64 initramfs-tools
   cloud-init curl ca-certificates iproute2 netbase e2fsprogs
-  kmod procps less
+  kmod procps less live-boot
 )
 mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "${packages[*]}")" \
   --customize-hook="cp '$here/networkd.network' \"\$1/etc/systemd/network/10-dhcp.network\"" \
@@ -49,6 +51,19 @@ mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "${packages[*]}")"
   --customize-hook="printf 'LABEL=metalboot-root / ext4 errors=remount-ro 0 1\nLABEL=METALEFI /boot/efi vfat umask=0077,nofail 0 2\n' > \"\$1/etc/fstab\"" \
   --customize-hook="rm -f \"\$1\"/etc/machine-id \"\$1\"/var/lib/dbus/machine-id; touch \"\$1/etc/machine-id\"" \
   "$suite" "$work/rootfs.tar" "$mirror"
+
+# Live mode: the same root as a squashfs that live-boot's initramfs fetches over HTTP and mounts
+# under a tmpfs overlay, so every boot starts from the image as built. live-boot writes the live
+# system's fstab itself; the disk's would make systemd wait for a root partition that is not there.
+echo "os image: live boot files (squashfs, zstd)"
+mkdir -p "$work/live" && rm -rf "$out/live.new" && mkdir -p "$out/live.new"
+tar -C "$work/live" -xpf "$work/rootfs.tar"
+: > "$work/live/etc/fstab"
+cp -L "$work/live/vmlinuz" "$out/live.new/vmlinuz"
+cp -L "$work/live/initrd.img" "$out/live.new/initrd.img"
+[ -e "$work/live/usr/share/initramfs-tools/scripts/live" ] || { echo "os image: live-boot is not installed" >&2; exit 1; }
+mksquashfs "$work/live" "$out/live.new/filesystem.squashfs" -comp zstd -noappend -quiet -no-progress -e boot
+rm -rf "$work/live"
 
 echo "os image: partitioning a $size disk"
 truncate -s "$size" "$work/disk.raw"
@@ -125,6 +140,7 @@ cp --sparse=always "$work/disk.raw" "$out/debian.raw.new"
 mv "$out/debian.raw.new" "$out/debian.raw"
 mv "$out/debian.qcow2.new" "$out/debian.qcow2"
 mv "$out/debian.raw.gz.new" "$out/debian.raw.gz"
+rm -rf "$out/live" && mv "$out/live.new" "$out/live"
 (cd "$out" && sha256sum debian.raw debian.raw.gz debian.qcow2 > SHA256SUMS && sha512sum debian.raw debian.raw.gz debian.qcow2 > SHA512SUMS)
 echo "$want" > "$out/.stamp"
 echo "os image: built $out (raw $(du -h --apparent-size "$out/debian.raw" | cut -f1), $(du -h "$out/debian.raw" | cut -f1) used; qcow2 $(du -h "$out/debian.qcow2" | cut -f1)) in $(( $(date +%s) - start ))s"

@@ -101,7 +101,9 @@ pub struct BootState {
     recorder: Recorder,
     callbacks: mpsc::UnboundedSender<CallbackNotice>,
     /// Source address pinned per attempt (boot Secret namespace/name/attempt).
-    pins: Mutex<HashMap<String, IpAddr>>,
+    /// Per boot Secret (`namespace/name`): the token the pin is for, and the first address
+    /// that presented it.
+    pins: Mutex<HashMap<String, (u64, IpAddr)>>,
     /// Event writes caused by requests, rate-limited per machine and reason.
     event_limiter: EventLimiter,
     /// Token hash → boot Secret, so a token costs one lookup and one parse.
@@ -466,10 +468,7 @@ impl BootState {
     /// Forgets source pins of attempts whose boot Secret (`namespace/name`) is gone.
     pub fn retain_pins(&self, secret_exists: impl Fn(&str) -> bool) {
         if let Ok(mut pins) = self.pins.lock() {
-            pins.retain(|key, _| {
-                key.rsplit_once('/')
-                    .is_some_and(|(secret, _attempt)| secret_exists(secret))
-            });
+            pins.retain(|secret, _| secret_exists(secret));
         }
     }
 
@@ -478,13 +477,12 @@ impl BootState {
     }
 
     fn pin_key(record: &BootRecord) -> String {
-        format!(
-            "{}/{}/{}",
-            record.namespace, record.secret_name, record.attempt
-        )
+        format!("{}/{}", record.namespace, record.secret_name)
     }
 
-    /// Records the first address for an attempt; later requests must come from it.
+    /// Records the first address that presented a token; later requests with it must come from
+    /// that address. A new token of the same Secret (the next attempt, a cleaning, a live host's
+    /// next boot, which may bring a new address) starts a new pin in place of the old one.
     fn check_pin(&self, record: &BootRecord, client: Option<IpAddr>) -> Result<(), IpAddr> {
         if !self.config.pin_source_ip {
             return Ok(());
@@ -492,11 +490,12 @@ impl BootState {
         let (Some(ip), Ok(mut pins)) = (client, self.pins.lock()) else {
             return Ok(());
         };
+        let token = token_hash(record.token.expose());
         match pins.get(&Self::pin_key(record)) {
-            Some(pinned) if *pinned != ip => Err(*pinned),
-            Some(_) => Ok(()),
-            None => {
-                pins.insert(Self::pin_key(record), ip);
+            Some((pinned_token, pinned)) if *pinned_token == token && *pinned != ip => Err(*pinned),
+            Some((pinned_token, _)) if *pinned_token == token => Ok(()),
+            _ => {
+                pins.insert(Self::pin_key(record), (token, ip));
                 Ok(())
             }
         }

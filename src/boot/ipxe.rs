@@ -180,11 +180,16 @@ pub fn choose_script(
     // has not called back yet, gets a kernel. Everything else boots its disk. The claim is read
     // from spec, not from the host controller's `state`, which may lag the claim by a moment;
     // states that forbid booting still win.
-    // A released image-mode host netboots the deploy agent once more, to be cleaned.
+    // A released image-mode host netboots the deploy agent once more, to be cleaned; a
+    // provisioned live-mode host netboots its OS on every boot, with the token armed for it.
     let cleaning = record.is_some_and(|r| r.clean.is_some());
+    let rebooting = !cleaning
+        && record.is_some_and(|r| r.reboot.is_some())
+        && machine.is_some_and(|m| m.spec.mode == crate::api::metalmachine::ProvisioningMode::Live);
     if host.spec.consumer_ref.is_none()
         || state == HostState::Error
-        || (!cleaning && matches!(state, HostState::Provisioned | HostState::Deprovisioning))
+        || (!cleaning && state == HostState::Deprovisioning)
+        || (!cleaning && !rebooting && state == HostState::Provisioned)
     {
         return idle(&format!("{state:?}"));
     }
@@ -193,7 +198,7 @@ pub fn choose_script(
     };
     let consumer = host.spec.consumer_ref.as_ref();
     let machine_name = machine.metadata.name.clone().unwrap_or_default();
-    if machine.spec.provider_id.is_some() && !cleaning {
+    if machine.spec.provider_id.is_some() && !cleaning && !rebooting {
         return idle("already provisioned");
     }
     if consumer.map(|c| c.name.as_str()) != Some(machine_name.as_str())
@@ -383,6 +388,15 @@ mod tests {
         let provisioning = host(HostState::Provisioning, Some("m1"));
         let other_machine = record("m2", "host-0");
         let other_host = record("m1", "host-9");
+        // Provisioned live machine, its Secret armed for the next boot.
+        let mut live_provisioned = good.clone();
+        live_provisioned.spec.provider_id = Some("metalboot://ns/host-0/uid".into());
+        let mut armed = rec.clone();
+        armed.reboot = Some(1);
+        let mut armed_spent = spent.clone();
+        armed_spent.reboot = Some(1);
+        let mut image_provisioned = live_provisioned.clone();
+        image_provisioned.spec.mode = crate::api::metalmachine::ProvisioningMode::Image;
         type Case<'a> = (
             &'a str,
             Option<MetalHost>,
@@ -439,6 +453,41 @@ mod tests {
                 Some(provisioning.clone()),
                 Some(&good),
                 Some(&other_host),
+                "Idle",
+            ),
+            (
+                "provisioned live host, next boot armed: its OS again",
+                Some(host(HostState::Provisioned, Some("m1"))),
+                Some(&live_provisioned),
+                Some(&armed),
+                "Provision",
+            ),
+            (
+                "provisioned live host, this boot already called back: not twice",
+                Some(host(HostState::Provisioned, Some("m1"))),
+                Some(&live_provisioned),
+                Some(&armed_spent),
+                "Idle",
+            ),
+            (
+                "provisioned live host without an armed boot",
+                Some(host(HostState::Provisioned, Some("m1"))),
+                Some(&live_provisioned),
+                Some(&rec),
+                "Idle",
+            ),
+            (
+                "an armed boot on an image-mode machine: its disk",
+                Some(host(HostState::Provisioned, Some("m1"))),
+                Some(&image_provisioned),
+                Some(&armed),
+                "Idle",
+            ),
+            (
+                "live host being released: never its OS",
+                Some(host(HostState::Deprovisioning, Some("m1"))),
+                Some(&live_provisioned),
+                Some(&armed),
                 "Idle",
             ),
             (

@@ -38,6 +38,9 @@ const ANN_DISK_BOOT_AT: &str = "metalboot.io/disk-boot-at";
 /// Present on a cleaning attempt (`metadata` or `full`): the token boots the deploy agent to wipe
 /// the released host's disks, and serves no NoCloud data and takes no callback.
 const ANN_CLEAN: &str = "metalboot.io/clean";
+/// Present on a live-mode machine's Secret once it is provisioned: the token is armed for the
+/// n-th network boot after provisioning (a reboot), and rotated after each such boot called back.
+const ANN_BOOT: &str = "metalboot.io/boot";
 
 /// The host a boot Secret's attempt runs on, from its metadata alone (watches of metadata).
 pub fn boot_secret_host(
@@ -129,6 +132,9 @@ pub struct BootRecord {
     pub disk_boot_at: Option<jiff::Timestamp>,
     /// Set on a cleaning attempt: how much the agent wipes.
     pub clean: Option<crate::agent::wipe::WipeMode>,
+    /// Set once a live-mode machine is provisioned: which boot after provisioning this token is
+    /// armed for (1 = the first reboot).
+    pub reboot: Option<u32>,
     pub resource_version: Option<String>,
 }
 
@@ -328,6 +334,33 @@ pub fn next_attempt(secret: &Secret) -> Secret {
     next
 }
 
+/// The same boot Secret armed for the next network boot of a provisioned live-mode machine: a
+/// fresh token (the one its last boot used dies with the replace, which carries the
+/// resourceVersion), the boot count + 1, no callback, not powered. Attempt, instance-id and the
+/// bootstrap data snapshot stay: it is the same machine coming back, not a new attempt.
+pub fn next_boot(secret: &Secret) -> Secret {
+    let mut next = secret.clone();
+    let annotations = next
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    let boot = annotations
+        .get(ANN_BOOT)
+        .and_then(|n| n.parse::<u32>().ok())
+        .unwrap_or(0);
+    annotations.insert(ANN_BOOT.into(), boot.saturating_add(1).to_string());
+    annotations.remove(ANN_POWERED_AT);
+    annotations.remove(ANN_DISK_BOOT_AT);
+    let data = next.data.get_or_insert_with(Default::default);
+    data.insert(
+        KEY_TOKEN.into(),
+        ByteString(Token::mint().expose().as_bytes().to_vec()),
+    );
+    data.remove(KEY_CALLBACK);
+    data.remove(KEY_DEPLOY);
+    next
+}
+
 /// Reads a boot Secret. Anything malformed is an error, never a panic: Secrets can be edited.
 pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError> {
     let name = secret.metadata.name.clone().unwrap_or_default();
@@ -397,6 +430,13 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
             Some("metadata") => Some(crate::agent::wipe::WipeMode::Metadata),
             Some(_) => return Err(BootSecretError::Invalid(name, ANN_CLEAN)),
         },
+        reboot: match ann.get(ANN_BOOT) {
+            None => None,
+            Some(n) => Some(
+                n.parse()
+                    .map_err(|_| BootSecretError::Invalid(name.clone(), ANN_BOOT))?,
+            ),
+        },
         resource_version: secret.metadata.resource_version.clone(),
         secret_name: name,
     })
@@ -464,6 +504,42 @@ mod tests {
         assert!(after.powered_at.is_none() && after.callback.is_none());
         assert_eq!(after.user_data, before.user_data);
         assert_eq!(after.instance_id, "uid-1-3");
+    }
+
+    #[test]
+    fn each_boot_of_a_live_machine_gets_its_own_token_and_keeps_its_identity() {
+        let mut provisioned = attempt();
+        provisioned.data.as_mut().map(|d| {
+            d.insert(
+                KEY_CALLBACK.into(),
+                ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
+            )
+        });
+        let before = parse_boot_secret(&provisioned).expect("parse");
+        assert_eq!(before.reboot, None);
+        let first = next_boot(&provisioned);
+        let armed = parse_boot_secret(&first).expect("parse");
+        assert_eq!(armed.reboot, Some(1));
+        assert_ne!(armed.token, before.token);
+        assert!(armed.callback.is_none() && armed.powered_at.is_none());
+        assert_eq!(
+            (armed.attempt, &armed.instance_id, &armed.user_data),
+            (before.attempt, &before.instance_id, &before.user_data)
+        );
+        let second = parse_boot_secret(&next_boot(&first)).expect("parse");
+        assert_eq!(second.reboot, Some(2));
+        assert_ne!(second.token, armed.token);
+
+        let mut garbled = first.clone();
+        garbled
+            .metadata
+            .annotations
+            .as_mut()
+            .map(|a| a.insert(ANN_BOOT.into(), "-1".into()));
+        assert_eq!(
+            parse_boot_secret(&garbled),
+            Err(BootSecretError::Invalid("m1-boot".into(), ANN_BOOT))
+        );
     }
 
     #[test]

@@ -371,6 +371,75 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 .await;
             Ok(())
         }
+        Step::ArmNextBoot { host } => {
+            // The next power-on network-boots the OS again. Best effort, as for image mode's
+            // disk: a BMC that refuses leaves a warning, and the host's own boot order decides.
+            let target = host_named(o, host)?;
+            let result = match bmc_for(ctx, target).await {
+                Ok(bmc) => bmc
+                    .set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
+                    .await
+                    .map_err(|e| Fault::from_bmc(&e)),
+                Err(f) => Err(f),
+            };
+            if let Err(f) = result {
+                tracing::warn!(host = %host, reason = f.reason, "could not set the next boot to the network: {}", f.message);
+                ctx.events
+                    .publish(
+                        mm,
+                        true,
+                        "BootOverrideNotSet",
+                        format!(
+                            "MetalHost {host}: could not point the next boot at the network: {}",
+                            f.message
+                        ),
+                    )
+                    .await;
+            }
+            let current = ctx
+                .stores
+                .boot_secrets
+                .get(&ObjectRef::new(&boot_name).within(&namespace));
+            // Replace carries the resourceVersion: the last boot's token dies with it.
+            let written = match &current {
+                Some(secret) => {
+                    secrets
+                        .replace(
+                            &boot_name,
+                            &PostParams::default(),
+                            &tokens::next_boot(secret),
+                        )
+                        .await
+                }
+                None => {
+                    let user_data = bootstrap_data(ctx, o, &namespace).await?;
+                    let owner = mm.controller_owner_ref(&()).ok_or_else(|| {
+                        ActError::Api(ReconcileError::Invalid("MetalMachine has no UID".into()))
+                    })?;
+                    let provider_id = mm.spec.provider_id.clone().unwrap_or_default();
+                    let fresh = tokens::new_boot_secret(&NewAttempt {
+                        namespace: &namespace,
+                        metal_machine: &name,
+                        owner,
+                        cluster_name: mm.labels().get(CLUSTER_NAME_LABEL).map(String::as_str),
+                        host,
+                        attempt: 1,
+                        provider_id: &provider_id,
+                        user_data: &user_data,
+                    });
+                    secrets
+                        .create(&PostParams::default(), &tokens::next_boot(&fresh))
+                        .await
+                }
+            }
+            .map_err(write_error(format!("Secret {boot_name}")))?;
+            ctx.expectations.wrote(
+                boot_key,
+                current.and_then(|s| s.resource_version()),
+                written.resource_version(),
+            );
+            Ok(())
+        }
         Step::BootFromDisk { host } => {
             // The one-time network boot was consumed; leave the next boot to the disk. Best
             // effort: a BMC that refuses leaves a warning, not an unprovisioned machine.

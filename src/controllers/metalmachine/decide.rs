@@ -79,6 +79,12 @@ pub enum Step {
         host: String,
         mode: WipeMode,
     },
+    /// Live mode, provisioned: arm the host's next network boot. The next boot is set to the
+    /// network (best effort) and the boot Secret is replaced (or re-created) with a fresh token
+    /// for that boot; the token of the boot that just called back dies with the replace.
+    ArmNextBoot {
+        host: String,
+    },
     /// Delete the boot Secret: the token dies.
     DeleteBootSecret,
     /// Send a power-off request for deprovisioning.
@@ -555,6 +561,9 @@ fn decide_provisioned(
         format!("running on MetalHost {host_name} ({provider_id})"),
     ));
     let status = draft.done();
+    if mm.spec.mode == ProvisioningMode::Live {
+        return live_next_boot(o, status, claimed, observed_status.ready, &provider_id);
+    }
     let has_boot_secret = !matches!(o.boot, BootObservation::None);
     // The boot Secret goes only once the store shows this machine ready: a decision from a store
     // that lags behind can then never see "no Secret, not ready" and boot the host again.
@@ -573,6 +582,68 @@ fn decide_provisioned(
             format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
         ),
         _ => decision,
+    }
+}
+
+/// A provisioned live-mode host is diskless: every power-on network-boots its OS again, and each
+/// boot gets a token of its own. After a boot's callback (the provisioning one included) the
+/// boot Secret is re-armed for the next boot: a fresh token, the same instance-id, providerID
+/// and bootstrap data, and the next boot set to the network. Nothing here ever powers the host:
+/// a reboot is the operator's or the OS's, and only its callback is awaited, without a deadline.
+/// Like the deletion of image mode's Secret, re-arming waits until the store shows this machine
+/// ready, so no decision can see the new token without the providerID.
+fn live_next_boot(
+    o: &Observed,
+    status: MetalMachineStatus,
+    claimed: Option<&MetalHost>,
+    ready_seen: bool,
+    provider_id: &str,
+) -> Decision {
+    let Some(host) = claimed else {
+        return Decision::new(status, Step::Nothing, None);
+    };
+    let host_name = host.name_any();
+    let arm = Step::ArmNextBoot {
+        host: host_name.clone(),
+    };
+    match (&o.boot, ready_seen) {
+        (BootObservation::Record(r), false) if r.reboot.is_none() => {
+            Decision::new(status, Step::Nothing, None).noting(
+                false,
+                "Provisioned",
+                format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
+            )
+        }
+        (_, false) => Decision::new(status, Step::Nothing, None),
+        (BootObservation::Record(r), true) => match (r.reboot, &r.callback) {
+            (None, _) => Decision::new(status, arm, None),
+            (Some(boot), Some(callback)) => {
+                let name = callback
+                    .hostname
+                    .as_deref()
+                    .map(|h| format!(" as {h}"))
+                    .unwrap_or_default();
+                Decision::new(status, arm, None).noting(
+                    false,
+                    "HostRebooted",
+                    format!(
+                        "MetalHost {host_name} network-booted its OS again and called back{name} (boot {boot} since provisioning); its next boot is armed with a fresh token"
+                    ),
+                )
+            }
+            // Armed: waiting for the host's next boot, however long that takes.
+            (Some(_), None) => Decision::new(status, Step::Nothing, None),
+        },
+        // Edited beyond reading: replaced by a fresh one on the next pass.
+        (BootObservation::Unreadable(error), true) => {
+            Decision::new(status, Step::DeleteBootSecret, None).noting(
+                true,
+                "BootSecretReplaced",
+                format!("the boot Secret is unreadable ({error}); re-arming the next boot"),
+            )
+        }
+        // Gone (deleted by hand, or provisioned before boots were re-armed): made again.
+        (BootObservation::None, true) => Decision::new(status, arm, None),
     }
 }
 
@@ -718,6 +789,12 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
         BootObservation::Record(record) if record.host != host_name => {
             // Left from a claim of another host: that attempt is over.
             return Decision::new(draft.done(), Step::DeleteBootSecret, None);
+        }
+        // Armed for a reboot: only a provisioned machine has one, so this view of the machine
+        // (no providerID) is older than the Secret. Never boot from it; look again.
+        BootObservation::Record(record) if record.reboot.is_some() => {
+            let unchanged = mm.status.clone().unwrap_or_default();
+            return Decision::new(unchanged, Step::Nothing, Some(Duration::from_secs(1)));
         }
         BootObservation::Record(record) => record,
     };
@@ -1241,6 +1318,7 @@ mod tests {
             deploy: None,
             disk_boot_at: None,
             clean: None,
+            reboot: None,
             resource_version: Some("5".into()),
         }
     }
@@ -1525,14 +1603,15 @@ mod tests {
         }
     }
 
-    /// Seed 004 steps 8–12 and what follows: status rebuilt from spec, the boot Secret deleted
-    /// only once the store shows the machine ready, and never a new boot.
+    /// Seed 004 steps 8–12 and what follows (image mode): status rebuilt from spec, the boot
+    /// Secret deleted only once the store shows the machine ready, and never a new boot.
     #[test]
     fn provisioned_machines_never_boot_again() {
         let provisioned = |ready: bool, boot: BootObservation| {
             let mut o = claimed(observed());
             o.boot = boot;
             with_mm(o, |mm| {
+                mm.spec.mode = ProvisioningMode::Image;
                 mm.spec.provider_id = Some("metalboot://ns/h1/mm-uid".into());
                 mm.status = Some(MetalMachineStatus {
                     ready,
@@ -1586,6 +1665,94 @@ mod tests {
         assert_eq!(d.step, Step::Nothing);
         let associated = conditions::get(&d.status.conditions, HOST_ASSOCIATED);
         assert_eq!(associated.map(|c| c.reason.as_str()), Some("HostNotFound"));
+    }
+
+    /// Live mode, provisioned: every boot network-boots the OS with a token of its own. After
+    /// each callback the Secret is re-armed (fresh token, next boot to the network), only once the
+    /// store shows the machine ready; the controller never powers the host; a reboot record seen
+    /// with a machine that has no providerID is a stale view and boots nothing.
+    #[test]
+    fn provisioned_live_machines_rearm_each_boot_and_never_power_the_host() {
+        let provisioned = |ready: bool, boot: BootObservation| {
+            let mut o = claimed(observed());
+            o.boot = boot;
+            with_mm(o, |mm| {
+                mm.spec.provider_id = Some("metalboot://ns/h1/mm-uid".into());
+                mm.status = Some(MetalMachineStatus {
+                    ready,
+                    ..Default::default()
+                });
+            })
+        };
+        let reboot = |boot: u32, called_back: bool| {
+            let mut r = record(1, None, called_back);
+            r.reboot = Some(boot);
+            BootObservation::Record(Box::new(r))
+        };
+        let arm = Step::ArmNextBoot { host: "h1".into() };
+        let rows = vec![
+            (
+                "provisioning callback, status not yet ready: ready first, nothing armed",
+                provisioned(
+                    false,
+                    BootObservation::Record(Box::new(record(1, Some(-5), true))),
+                ),
+                Step::Nothing,
+                Some("Provisioned"),
+            ),
+            (
+                "store shows ready: the next boot is armed (the provisioning token dies)",
+                provisioned(
+                    true,
+                    BootObservation::Record(Box::new(record(1, Some(-5), true))),
+                ),
+                arm.clone(),
+                None,
+            ),
+            (
+                "armed, the host has not rebooted: nothing, and no deadline",
+                provisioned(true, reboot(1, false)),
+                Step::Nothing,
+                None,
+            ),
+            (
+                "the host rebooted and called back: re-armed for the boot after",
+                provisioned(true, reboot(1, true)),
+                arm.clone(),
+                Some("HostRebooted"),
+            ),
+            (
+                "a reboot callback seen before ready: wait for the store",
+                provisioned(false, reboot(2, true)),
+                Step::Nothing,
+                None,
+            ),
+            (
+                "no boot Secret (deleted by hand, or provisioned before re-arming existed): armed again",
+                provisioned(true, BootObservation::None),
+                arm.clone(),
+                None,
+            ),
+            (
+                "an unreadable boot Secret: replaced",
+                provisioned(true, BootObservation::Unreadable("garbled".into())),
+                Step::DeleteBootSecret,
+                Some("BootSecretReplaced"),
+            ),
+        ];
+        for (what, o, want, note) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want, "{what}");
+            assert!(d.status.ready, "{what}: ready");
+            assert_eq!(ready_reason(&d), "Provisioned", "{what}");
+            assert_eq!(d.note.as_ref().map(|n| n.reason), note, "{what}");
+        }
+        // A stale view: the machine without its providerID next to a Secret armed for a reboot.
+        let mut stale = claimed(observed());
+        stale.boot = reboot(1, false);
+        let d = decide(&stale, &policy());
+        assert_eq!(d.step, Step::Nothing, "never power from a stale view");
+        assert_eq!(d.status, stale.mm.status.clone().unwrap_or_default());
     }
 
     #[test]
