@@ -298,6 +298,26 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
     if running.is_none() {
         panic!("Machine not Running:\n{}", diagnostics().await);
     }
+    // Live mode: the provisioning token is replaced by one armed for the host's next boot (and
+    // the next boot set to the network), the last change metalboot makes at the BMC.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let armed = support::eventually_or("the next boot armed", 60, || async {
+        let mm = metal_machines
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .pop()?;
+        let secret = secrets
+            .get_opt(&metalboot::boot::tokens::boot_secret_name(&mm.name_any()))
+            .await
+            .ok()??;
+        metalboot::boot::tokens::parse_boot_secret(&secret)
+            .ok()?
+            .reboot
+    })
+    .await;
+    assert_eq!(armed, Some(1), "{}", diagnostics().await);
     Rack {
         ns,
         sushy,

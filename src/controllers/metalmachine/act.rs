@@ -371,16 +371,20 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 .await;
             Ok(())
         }
-        Step::ArmNextBoot { host } => {
+        Step::ArmNextBoot { host, netboot } => {
             // The next power-on network-boots the OS again. Best effort, as for image mode's
             // disk: a BMC that refuses leaves a warning, and the host's own boot order decides.
             let target = host_named(o, host)?;
-            let result = match bmc_for(ctx, target).await {
-                Ok(bmc) => bmc
-                    .set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
-                    .await
-                    .map_err(|e| Fault::from_bmc(&e)),
-                Err(f) => Err(f),
+            let result = if !*netboot {
+                Ok(())
+            } else {
+                match bmc_for(ctx, target).await {
+                    Ok(bmc) => bmc
+                        .set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
+                        .await
+                        .map_err(|e| Fault::from_bmc(&e)),
+                    Err(f) => Err(f),
+                }
             };
             if let Err(f) = result {
                 tracing::warn!(host = %host, reason = f.reason, "could not set the next boot to the network: {}", f.message);

@@ -79,11 +79,13 @@ pub enum Step {
         host: String,
         mode: WipeMode,
     },
-    /// Live mode, provisioned: arm the host's next network boot. The next boot is set to the
-    /// network (best effort) and the boot Secret is replaced (or re-created) with a fresh token
-    /// for that boot; the token of the boot that just called back dies with the replace.
+    /// Live mode, provisioned: arm the host's next network boot. The boot Secret is replaced
+    /// (or re-created) with a fresh token for that boot; the token of the boot that just called
+    /// back dies with the replace. With `netboot`, after a boot consumed the one-time network
+    /// boot, the next boot is set to the network again (best effort).
     ArmNextBoot {
         host: String,
+        netboot: bool,
     },
     /// Delete the boot Secret: the token dies.
     DeleteBootSecret,
@@ -603,8 +605,9 @@ fn live_next_boot(
         return Decision::new(status, Step::Nothing, None);
     };
     let host_name = host.name_any();
-    let arm = Step::ArmNextBoot {
+    let arm = |netboot| Step::ArmNextBoot {
         host: host_name.clone(),
+        netboot,
     };
     match (&o.boot, ready_seen) {
         (BootObservation::Record(r), false) if r.reboot.is_none() => {
@@ -616,14 +619,14 @@ fn live_next_boot(
         }
         (_, false) => Decision::new(status, Step::Nothing, None),
         (BootObservation::Record(r), true) => match (r.reboot, &r.callback) {
-            (None, _) => Decision::new(status, arm, None),
+            (None, _) => Decision::new(status, arm(true), None),
             (Some(boot), Some(callback)) => {
                 let name = callback
                     .hostname
                     .as_deref()
                     .map(|h| format!(" as {h}"))
                     .unwrap_or_default();
-                Decision::new(status, arm, None).noting(
+                Decision::new(status, arm(true), None).noting(
                     false,
                     "HostRebooted",
                     format!(
@@ -642,8 +645,9 @@ fn live_next_boot(
                 format!("the boot Secret is unreadable ({error}); re-arming the next boot"),
             )
         }
-        // Gone (deleted by hand, or provisioned before boots were re-armed): made again.
-        (BootObservation::None, true) => Decision::new(status, arm, None),
+        // Gone (deleted by hand, or provisioned before boots were re-armed): made again. No boot
+        // was seen, so the BMC's boot settings are left as they are.
+        (BootObservation::None, true) => Decision::new(status, arm(false), None),
     }
 }
 
@@ -1689,7 +1693,10 @@ mod tests {
             r.reboot = Some(boot);
             BootObservation::Record(Box::new(r))
         };
-        let arm = Step::ArmNextBoot { host: "h1".into() };
+        let arm = |netboot| Step::ArmNextBoot {
+            host: "h1".into(),
+            netboot,
+        };
         let rows = vec![
             (
                 "provisioning callback, status not yet ready: ready first, nothing armed",
@@ -1706,7 +1713,7 @@ mod tests {
                     true,
                     BootObservation::Record(Box::new(record(1, Some(-5), true))),
                 ),
-                arm.clone(),
+                arm(true),
                 None,
             ),
             (
@@ -1718,7 +1725,7 @@ mod tests {
             (
                 "the host rebooted and called back: re-armed for the boot after",
                 provisioned(true, reboot(1, true)),
-                arm.clone(),
+                arm(true),
                 Some("HostRebooted"),
             ),
             (
@@ -1730,7 +1737,7 @@ mod tests {
             (
                 "no boot Secret (deleted by hand, or provisioned before re-arming existed): armed again",
                 provisioned(true, BootObservation::None),
-                arm.clone(),
+                arm(false),
                 None,
             ),
             (
