@@ -129,7 +129,7 @@ async fn every_route_through_the_router() {
     assert_eq!(status, StatusCode::OK);
     let script = text(&body);
     assert!(script.contains(&format!(
-        "kernel http://10.0.2.2:8080/artifacts/vmlinuz initrd=initrd0 console=ttyS0 ds=nocloud;s=http://10.0.2.2:8080/nocloud/{token}/"
+        "kernel http://10.0.2.2:8080/artifacts/vmlinuz initrd=initrd0 console=ttyS0 ds=nocloud-net;s=http://10.0.2.2:8080/nocloud/{token}/"
     )), "{script}");
     assert!(
         script.contains("initrd --name initrd0 http://10.0.2.2:8080/artifacts/initrd.gz"),
@@ -383,7 +383,7 @@ async fn the_chain_with_curl_over_a_socket() {
         .expect("curl");
     assert_eq!(code, "200");
     assert!(
-        text(&body).contains(&format!("ds=nocloud;s={base}/nocloud/{token}/")),
+        text(&body).contains(&format!("ds=nocloud-net;s={base}/nocloud/{token}/")),
         "{}",
         text(&body)
     );

@@ -59,7 +59,7 @@ async fn play_host(base: &str, mac: &str) -> Option<String> {
         .ok()?;
     let seed = script
         .split_whitespace()
-        .find_map(|w| w.strip_prefix("ds=nocloud;s="))?
+        .find_map(|w| w.strip_prefix("ds=nocloud-net;s="))?
         .to_string();
     let user_data = http
         .get(format!("{}/user-data", seed.trim_end_matches('/')))

@@ -135,7 +135,7 @@ impl Player {
         let script = script.text().await.map_err(|e| e.to_string())?;
         let Some(seed) = script
             .split_whitespace()
-            .find_map(|w| w.strip_prefix("ds=nocloud;s="))
+            .find_map(|w| w.strip_prefix("ds=nocloud-net;s="))
         else {
             return Ok(Boot::Idle);
         };

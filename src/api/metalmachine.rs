@@ -194,7 +194,7 @@ pub struct BootProfile {
     #[x_kube(validation = Rule::new("self.all(i, size(i) > 0 && size(i) <= 2048 && (i.startsWith('http://') || i.startsWith('https://') || (!i.startsWith('/') && !i.contains('..'))))").message("spec.boot.initrds must be http(s) URLs or relative artifact paths without '..'"))]
     pub initrds: Vec<String>,
     /// Kernel command line. The boot service appends the NoCloud datasource
-    /// (`ds=nocloud;s=http://…/nocloud/<token>/`).
+    /// (`ds=nocloud-net;s=http://…/nocloud/<token>/`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 4096))]
     pub cmdline: Option<String>,

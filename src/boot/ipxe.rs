@@ -249,11 +249,13 @@ pub fn choose_script(
             return Err("the boot profile's cmdline has characters iPXE would misread".to_string());
         }
         // Live: the OS finds its NoCloud data; image mode: the agent finds its boot service.
+        // `nocloud-net`: cloud-init before 23.1 (Debian 12 ships 22.4) takes an http seed from
+        // the command line only under that name; later versions accept it as well.
         let datasource = if image_mode {
             format!("metalboot.agent={base_url}/agent/{}", record.token.expose())
         } else {
             format!(
-                "ds=nocloud;s={}",
+                "ds=nocloud-net;s={}",
                 nocloud_url(base_url, record.token.expose())
             )
         };
@@ -546,7 +548,7 @@ mod tests {
         assert_eq!(
             plan.cmdline,
             format!(
-                "console=ttyS0 ds=nocloud;s=http://10.0.2.2:8080/nocloud/{}/",
+                "console=ttyS0 ds=nocloud-net;s=http://10.0.2.2:8080/nocloud/{}/",
                 rec.token.expose()
             )
         );
@@ -555,7 +557,7 @@ mod tests {
             .host_script(&HostScript::Provision(plan), BASE)
             .expect("render");
         assert!(script.starts_with("#!ipxe\n"), "{script}");
-        assert!(script.contains("kernel http://10.0.2.2:8080/artifacts/vmlinuz initrd=initrd0 initrd=initrd1 console=ttyS0 ds=nocloud;s="), "{script}");
+        assert!(script.contains("kernel http://10.0.2.2:8080/artifacts/vmlinuz initrd=initrd0 initrd=initrd1 console=ttyS0 ds=nocloud-net;s="), "{script}");
         assert!(
             script.contains("initrd --name initrd1 https://mirror.example/extra.img"),
             "{script}"

@@ -333,7 +333,7 @@ impl SimHost {
         self.shared.counters.scripts.fetch_add(1, Ordering::Relaxed);
         let Some(seed) = script
             .split_whitespace()
-            .find_map(|w| w.strip_prefix("ds=nocloud;s="))
+            .find_map(|w| w.strip_prefix("ds=nocloud-net;s="))
         else {
             // An exit script: the firmware falls through to the disk, which is empty here.
             return Err("no provisioning script".into());

@@ -309,7 +309,7 @@ pub async fn boot_chain(base: &str, mac: &str) -> String {
         .expect("text");
     let seed = script
         .split_whitespace()
-        .find_map(|w| w.strip_prefix("ds=nocloud;s="))
+        .find_map(|w| w.strip_prefix("ds=nocloud-net;s="))
         .unwrap_or_else(|| panic!("no NoCloud datasource in the host script:\n{script}"))
         .to_string();
     assert!(
