@@ -228,6 +228,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         kubeconfig: serde_yaml::to_string(&cp.kubeconfig).map_err(|e| e.to_string())?,
         kubelet_apiserver: relay_url,
         boot_timeout_seconds: 600,
+        boot_url: boot_url.clone(),
     });
     objects
         .base(&[("lab-bmc", password)])

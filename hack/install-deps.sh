@@ -11,7 +11,7 @@ packages=(
   iproute2 dnsmasq-base       # the bridged lab network; dnsmasq plays the site's DHCP server
   ipmitool openipmi           # the IPMI driver's tool; ipmi_sim, a real IPMI BMC for tests
   cloud-init                  # the real cloud-init validates and runs the bootstrap cloud-config
-  busybox-static cpio kmod    # the lab OS initramfs
+  busybox-static cpio kmod    # the deploy ramdisk's initramfs
   mmdebstrap qemu-utils squashfs-tools  # the lab's installed OS: a Debian disk image, its qcow2 form, its live squashfs
   grub-pc-bin grub-efi-amd64-bin grub2-common dosfstools mtools  # its boot loader for SeaBIOS and OVMF
   musl-tools xz-utils zstd     # the deploy ramdisk: metalboot agent as a static musl binary

@@ -316,8 +316,8 @@ pub struct LabArgs {
     /// Lab directory: control plane, image, host logs, state.
     #[arg(long, default_value_os_t = controlplane::project_dir().join("target/lab"))]
     pub dir: PathBuf,
-    /// Memory per lab host.
-    #[arg(long, default_value_t = 512)]
+    /// Memory per lab host (the live Debian keeps its root squashfs in memory).
+    #[arg(long, default_value_t = 1024)]
     pub memory_mib: u32,
     /// Seconds from power-on to the callback before a lab host is power-cycled.
     #[arg(long, default_value_t = 600)]

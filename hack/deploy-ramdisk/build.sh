@@ -18,7 +18,7 @@ agent="$root/target/$target/ramdisk/metalboot"
 
 kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[0-9].*-amd64\)$/\1/p' | head -1)
 [ -n "$kpkg" ] || { echo "deploy ramdisk: cannot resolve linux-image-amd64 (apt-get update?)" >&2; exit 1; }
-want="$kpkg $(cat "$here"/* "$root/hack/lab-image/udhcpc.script" "$agent" | sha256sum | cut -c1-16)"
+want="$kpkg $(cat "$here"/* "$agent" | sha256sum | cut -c1-16)"
 if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/vmlinuz" ] && [ -s "$out/initrd.gz" ]; then
   echo "deploy ramdisk: reusing $out ($kpkg)"
   exit 0
@@ -56,7 +56,7 @@ done
 cp "$(command -v busybox)" initramfs/bin/busybox
 cp "$agent" initramfs/bin/metalboot
 cp "$here/init" initramfs/init
-cp "$root/hack/lab-image/udhcpc.script" initramfs/etc/udhcpc.script
+cp "$here/udhcpc.script" initramfs/etc/udhcpc.script
 chmod +x initramfs/init initramfs/etc/udhcpc.script
 (cd initramfs && find . | cpio -o -H newc --quiet | gzip -6) > "$out/initrd.gz.new"
 mv "$out/vmlinuz.new" "$out/vmlinuz"

@@ -28,7 +28,12 @@ pub struct LabObjects {
     /// Where the lab OS reaches the apiserver (the lab's relay), for its kubelet.
     pub kubelet_apiserver: String,
     pub boot_timeout_seconds: i32,
+    /// The boot service as the lab hosts reach it: live-boot fetches the root squashfs from it.
+    pub boot_url: String,
 }
+
+/// The lab's kubelet stand-in (a bootstrap command), until a real kubelet joins.
+const REGISTER_NODE: &str = include_str!("register-node.sh");
 
 /// Server-side apply with the lab's field manager.
 pub(crate) async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, kube::Error>
@@ -259,8 +264,11 @@ impl LabObjects {
                 "metadata": {"name": name, "namespace": ns},
                 "spec": {
                     "files": [{"path": "/etc/metalboot/kubelet.env", "permissions": "0600",
-                        "contentFrom": {"secret": {"name": "lab-kubelet", "key": "kubelet.env"}}}],
-                    "commands": [format!("echo 'metalboot lab: bootstrapping {name}'")],
+                        "contentFrom": {"secret": {"name": "lab-kubelet", "key": "kubelet.env"}}},
+                        {"path": "/usr/local/sbin/metalboot-lab-register-node", "permissions": "0755",
+                        "content": REGISTER_NODE}],
+                    "commands": [format!("echo 'metalboot lab: bootstrapping {name}' > /dev/console"),
+                        "/usr/local/sbin/metalboot-lab-register-node".to_string()],
                 },
             }),
         )
@@ -269,7 +277,10 @@ impl LabObjects {
             "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine",
             "metadata": {"name": name, "namespace": ns},
             "spec": {"hostSelector": {"matchLabels": {"metalboot.io/role": "worker"}},
-                "boot": {"kernel": "vmlinuz", "initrds": ["initrd.gz"], "cmdline": "console=ttyS0 panic=10"},
+                // The lab's Debian, netbooted by live-boot: the kernel and initrd through iPXE,
+                // the root squashfs fetched by the initrd.
+                "boot": {"kernel": "live/vmlinuz", "initrds": ["live/initrd.img"],
+                    "cmdline": format!("boot=live fetch={}/artifacts/live/filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0 panic=10", self.boot_url)},
                 "bootTimeoutSeconds": self.boot_timeout_seconds, "bootRetries": 1},
         })).await?;
         let labels = if i == 0 {

@@ -1,7 +1,7 @@
 //! One lab host: a QEMU process per power-on, controlled over QMP. Power on starts QEMU (with
 //! `-boot once=n` when a one-time network boot was requested); force off quits it; reset is a
-//! QMP `system_reset`; graceful off presses the ACPI power button and, since the lab OS runs no
-//! ACPI daemon, forces the host off if it is still running after a grace period.
+//! QMP `system_reset`; graceful off presses the ACPI power button (systemd-logind shuts the
+//! lab's Debian down) and forces the host off if it is still running after a grace period.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -202,11 +202,12 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     let dir = opts.dir.clone();
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     let image = dir.join("image");
-    for f in ["vmlinuz", "initrd.gz"] {
-        if opts.simulated.is_none() && !image.join(f).is_file() {
+    for f in LIVE_FILES {
+        let path = image.join("live").join(f);
+        if opts.simulated.is_none() && !path.is_file() {
             return Err(LabError::Setup(format!(
-                "lab image {} missing; run hack/lab-image/build.sh",
-                image.join(f).display()
+                "lab OS {} missing; `metalboot lab up` puts it there (hack/os-image/build.sh builds it)",
+                path.display()
             )));
         }
     }
@@ -312,7 +313,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             }),
             artifacts_dir: Some(image.clone()),
             power_poll_interval: Duration::from_secs(15),
-            graceful_off: Duration::from_secs(5),
+            graceful_off: Duration::from_secs(30),
             deprovision_timeout: Duration::from_secs(120),
             bmc_timeout: Duration::from_secs(10),
             ..Default::default()
@@ -352,7 +353,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             firmware: firmware_of(i, mode),
             dir: dir.join("hosts").join(format!("lab-host-{i}")),
             accel,
-            graceful_seconds: 5,
+            graceful_seconds: 30,
             disk: None,
         })));
     }
@@ -451,6 +452,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             .map_err(|e| LabError::Setup(e.to_string()))?,
         kubelet_apiserver: format!("http://{host_side_ip}:{relay_port}"),
         boot_timeout_seconds: opts.boot_timeout_seconds,
+        boot_url: boot_url.clone(),
     };
     objects
         .base(&[("lab-bmc", &bmc_password), ("lab-ipmi", &ipmi_password)])
@@ -799,20 +801,39 @@ fn tail(path: &Path, n: usize) -> String {
     controlplane::tail(path, n)
 }
 
+/// The lab OS's live-boot files, built by `hack/os-image/build.sh` into `target/lab/os/live`.
+const LIVE_FILES: [&str; 3] = ["vmlinuz", "initrd.img", "filesystem.squashfs"];
+
 /// Sets up, starts `serve` in the background and shows the table until every Machine is Running.
 pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
     let project = controlplane::project_dir();
-    for script in [
+    // A simulated fleet boots nothing: no OS to build.
+    let simulated = opts.simulated.is_some();
+    let scripts = [
         "hack/install-deps.sh",
         "hack/control-plane/build.sh",
-        "hack/lab-image/build.sh",
-    ] {
+        "hack/os-image/build.sh",
+    ];
+    for script in &scripts[..if simulated { 2 } else { 3 }] {
         let status = std::process::Command::new(project.join(script))
-            .env("LAB_IMAGE_DIR", opts.dir.join("image"))
             .status()
             .map_err(io(format!("running {script}")))?;
         if !status.success() {
             return Err(LabError::Setup(format!("{script} failed")));
+        }
+    }
+    // The boot service serves `<dir>/image`: the lab OS's live files go there (linked, not copied,
+    // when the lab directory is on the same filesystem as the build cache).
+    let live = opts.dir.join("image/live");
+    std::fs::create_dir_all(&live).map_err(io(format!("creating {}", live.display())))?;
+    let os = std::env::var_os("OS_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project.join("target/lab/os"));
+    for f in LIVE_FILES.iter().filter(|_| !simulated) {
+        let (from, to) = (os.join("live").join(f), live.join(f));
+        let _ = std::fs::remove_file(&to);
+        if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).map_err(io(format!("copying {}", from.display())))?;
         }
     }
     std::fs::create_dir_all(&opts.dir).map_err(io(format!("creating {}", opts.dir.display())))?;
