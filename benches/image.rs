@@ -1,8 +1,9 @@
 //! Image-write throughput: the deploy agent's `write_image` (digest checked while streaming,
-//! gzip decoded, written in blocks) against the pipeline an operator would type for the same
-//! job (`dd bs=4M conv=fsync`, `gzip -dc | dd`, with `sha256sum` of the source alongside), on
-//! the lab's real OS image (`make os-image`, target/lab/os). Same machine, same run, source in
-//! the page cache for both; the ratio is printed.
+//! gzip or qcow2 decoded, written in blocks) against the pipeline an operator would type for the
+//! same job (`dd bs=4M conv=fsync`, `gzip -dc | dd`, `qemu-img convert -O raw -S 0`, with
+//! `sha256sum` of the source alongside), on the lab's real OS image (`make os-image`,
+//! target/lab/os). Same machine, same run, source in the page cache for both; the ratio is
+//! printed. The qcow2 write is checked against the raw image's digest.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -34,7 +35,9 @@ fn main() {
     let work = project.join("target/bench-image");
     let _ = std::fs::create_dir_all(&work);
     let out = work.join("disk.out");
-    println!("image write: metalboot agent vs dd / gzip -dc | dd (+ sha256sum), one run each");
+    println!(
+        "image write: metalboot agent vs dd / gzip -dc | dd / qemu-img convert (+ sha256sum), one run each"
+    );
     println!(
         "{:<6} {:>10} {:>14} {:>14} {:>7}",
         "format", "written", "agent MiB/s", "coreutils MiB/s", "ratio"
@@ -42,6 +45,7 @@ fn main() {
     for (name, format) in [
         ("debian.raw", ImageFormat::Raw),
         ("debian.raw.gz", ImageFormat::Gzip),
+        ("debian.qcow2", ImageFormat::Qcow2),
     ] {
         let source = os.join(name);
         let Some(checksum) = sha256_of(&sums, name) else {
@@ -86,11 +90,28 @@ fn main() {
             }
         };
 
+        // The qcow2 write must give the raw image back, byte for byte.
+        if format == ImageFormat::Qcow2 {
+            let got = Command::new("sha256sum")
+                .arg(&out)
+                .output()
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .and_then(|o| o.split_whitespace().next().map(String::from));
+            if got != sha256_of(&sums, "debian.raw") {
+                eprintln!("image bench: the qcow2 write differs from debian.raw");
+                std::process::exit(1);
+            }
+        }
         let _ = std::fs::remove_file(&out);
         let (src, dst) = (source.display(), out.display());
         let pipeline = match format {
             ImageFormat::Gzip => format!(
                 "sha256sum {src} >/dev/null & gzip -dc {src} | dd of={dst} bs=4M iflag=fullblock conv=fsync status=none; wait"
+            ),
+            // -S 0: every byte written, zeros included, as the agent does on a disk.
+            ImageFormat::Qcow2 => format!(
+                "sha256sum {src} >/dev/null & qemu-img convert -q -f qcow2 -O raw -S 0 {src} {dst} && sync {dst}; wait"
             ),
             _ => format!(
                 "sha256sum {src} >/dev/null & dd if={src} of={dst} bs=4M conv=fsync status=none; wait"
@@ -112,6 +133,7 @@ fn main() {
             "{:<6} {:>9}M {:>14.1} {:>14.1} {:>6.2}x",
             match format {
                 ImageFormat::Gzip => "gzip",
+                ImageFormat::Qcow2 => "qcow2",
                 _ => "raw",
             },
             written >> 20,

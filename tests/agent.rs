@@ -63,6 +63,14 @@ fn make_image(dir: &Path) -> Vec<u8> {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     gz.write_all(&bytes).expect("gzip");
     std::fs::write(dir.join("os.raw.gz"), gz.finish().expect("gzip")).expect("write gz");
+    // qcow2 as operators make it: qemu-img, compressed clusters.
+    let status = std::process::Command::new("qemu-img")
+        .args(["convert", "-q", "-c", "-f", "raw", "-O", "qcow2"])
+        .arg(&path)
+        .arg(dir.join("os.qcow2"))
+        .status()
+        .expect("qemu-img (Debian package qemu-utils)");
+    assert!(status.success(), "qemu-img convert");
     bytes
 }
 
@@ -151,6 +159,7 @@ async fn the_agent_writes_a_checked_image_and_seeds_it_or_wipes_a_bad_one() {
     let artifacts = tempfile::tempdir().expect("tmp");
     let image = make_image(artifacts.path());
     let gz = std::fs::read(artifacts.path().join("os.raw.gz")).expect("gz");
+    let qcow2 = std::fs::read(artifacts.path().join("os.qcow2")).expect("qcow2");
 
     let cases = [
         (
@@ -166,6 +175,13 @@ async fn the_agent_writes_a_checked_image_and_seeds_it_or_wipes_a_bad_one() {
             ImageFormat::Gzip,
             digest_hex(ChecksumType::Sha512, &gz),
             ChecksumType::Sha512,
+        ),
+        (
+            "qcow2",
+            "os.qcow2",
+            ImageFormat::Qcow2,
+            digest_hex(ChecksumType::Sha256, &qcow2),
+            ChecksumType::Sha256,
         ),
         (
             "bad",
@@ -204,7 +220,7 @@ async fn the_agent_writes_a_checked_image_and_seeds_it_or_wipes_a_bad_one() {
     }
     let (state, base) = start_boot_service(&ns, artifacts.path()).await;
     until_stores("fixture in the stores", &state, |s| {
-        s.boot_secrets.state().len() == 3 && s.machines.state().len() == 3
+        s.boot_secrets.state().len() == cases.len() && s.machines.state().len() == cases.len()
     })
     .await;
 

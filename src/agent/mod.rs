@@ -8,6 +8,7 @@ pub mod hints;
 pub mod image;
 pub mod inspect;
 pub mod protocol;
+pub mod qcow2;
 pub mod run;
 pub mod seed;
 pub mod wipe;
