@@ -7,7 +7,8 @@
 //! provisioned. Then a power cycle through the BMC boots the installed OS again: no new token,
 //! the machine stays provisioned, the user-data does not run twice. Then the machine is deleted:
 //! the deploy agent wipes the disk before the host is Available again, and a second tenant's
-//! OS on the same host does not find the marker the first one left.
+//! OS on the same host, written from the qcow2 form of the image, does not find the marker the
+//! first one left.
 //!
 //! Live mode on the same rig, with a diskless host: the real Debian system netboots through
 //! live-boot (kernel, initrd, squashfs over HTTP) and its real cloud-init calls back; a reset
@@ -72,6 +73,7 @@ fn artifacts(dir: &Path) -> String {
         (ramdisk.join("vmlinuz"), "deploy-vmlinuz"),
         (ramdisk.join("initrd.gz"), "deploy-initrd.gz"),
         (os.join("debian.raw.gz"), "debian.raw.gz"),
+        (os.join("debian.qcow2"), "debian.qcow2"),
         (os.join("live/vmlinuz"), "live-vmlinuz"),
         (os.join("live/initrd.img"), "live-initrd.img"),
         (
@@ -89,12 +91,18 @@ fn artifacts(dir: &Path) -> String {
             std::fs::copy(&from, &to).expect("copy artifact");
         }
     }
+    image_checksum("debian.raw.gz")
+}
+
+/// The sha256 of one of the lab's OS images, from the build's SHA256SUMS.
+fn image_checksum(name: &str) -> String {
+    let os = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/lab/os");
     std::fs::read_to_string(os.join("SHA256SUMS"))
         .expect("SHA256SUMS")
         .lines()
-        .find(|l| l.ends_with(" debian.raw.gz"))
+        .find(|l| l.ends_with(&format!(" {name}")))
         .and_then(|l| l.split_whitespace().next())
-        .expect("debian.raw.gz in SHA256SUMS")
+        .unwrap_or_else(|| panic!("{name} in SHA256SUMS"))
         .to_string()
 }
 
@@ -106,8 +114,6 @@ struct Env {
     bmc_address: String,
     machines: Api<MetalMachine>,
     secrets: Api<Secret>,
-    /// The image's sha256, for further tenants.
-    checksum: String,
     /// The host's disk file (none is attached in live mode).
     disk: std::path::PathBuf,
     /// The boot service's port on loopback.
@@ -124,10 +130,12 @@ enum First<'a> {
     Live,
 }
 
-/// A tenant's OS: image mode with the image's checksum, or live mode booting the live system
-/// from the boot service at `base_url` (as the guest reaches it).
+/// A tenant's OS: image mode with the gzip image's checksum, image mode with the qcow2 image, or
+/// live mode booting the live system from the boot service at `base_url` (as the guest reaches
+/// it).
 enum TenantOs<'a> {
     Image(&'a str),
+    Qcow2,
     Live { base_url: String },
 }
 
@@ -279,7 +287,6 @@ async fn setup(
         bmc_address,
         machines,
         secrets,
-        checksum,
         disk,
         boot_port: port,
         _manager: manager,
@@ -356,6 +363,16 @@ async fn add_tenant(
                 checksum: checksum.to_string(),
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Gzip,
+            }),
+            ..Default::default()
+        },
+        TenantOs::Qcow2 => MetalMachineSpec {
+            mode: ProvisioningMode::Image,
+            image: Some(ImageSpec {
+                url: "debian.qcow2".into(),
+                checksum: image_checksum("debian.qcow2"),
+                checksum_type: ChecksumType::Sha256,
+                format: ImageFormat::Qcow2,
             }),
             ..Default::default()
         },
@@ -538,8 +555,8 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
         "a partition table survived the cleaning"
     );
 
-    // A second tenant on the same host: its OS must not find the first one's marker (its
-    // commands stop at the test, and nothing calls back, if it does).
+    // A second tenant on the same host, from the qcow2 image: its OS must not find the first
+    // one's marker (its commands stop at the test, and nothing calls back, if it does).
     add_tenant(
         client,
         &ns.name,
@@ -548,7 +565,7 @@ async fn an_image_mode_machine_is_installed_boots_its_disk_and_survives_a_power_
             format!("test ! -e {MARKER}"),
             format!("echo '{SECOND_RAN}' > /dev/console"),
         ],
-        TenantOs::Image(&env.checksum),
+        TenantOs::Qcow2,
         900,
     )
     .await;
