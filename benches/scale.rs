@@ -229,6 +229,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         kubelet_apiserver: relay_url,
         boot_timeout_seconds: 600,
         boot_url: boot_url.clone(),
+        image: None,
     });
     objects
         .base(&[("lab-bmc", password)])

@@ -335,6 +335,11 @@ pub struct LabArgs {
     /// when the namespaces cannot be created, and says so.
     #[arg(long, value_enum, default_value_t = LabNetworkArg::Bridged)]
     pub network: LabNetworkArg,
+    /// How the hosts get the lab's Debian: `live` netboots it on every boot (diskless, through
+    /// live-boot); `image` has metalboot's deploy agent write it (the qcow2 image) to each
+    /// host's 4 GiB virtio disk, which the host then boots.
+    #[arg(long, value_enum, default_value_t = LabOsArg::Live)]
+    pub os: LabOsArg,
     /// How many hosts (the last ones) sit behind an IPMI BMC (OpenIPMI's ipmi_sim in front of
     /// the virtual BMC) instead of Redfish.
     #[arg(long, default_value_t = 1)]
@@ -359,6 +364,12 @@ pub struct LabArgs {
     /// Simulated hosts: the share whose BMC answers after 2 seconds.
     #[arg(long, default_value_t = 0.0)]
     pub fleet_slow_bmc: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LabOsArg {
+    Live,
+    Image,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -391,6 +402,7 @@ impl LabArgs {
                 LabNetworkArg::Bridged => crate::lab::up::NetworkMode::Bridged,
                 LabNetworkArg::User => crate::lab::up::NetworkMode::User,
             },
+            image_mode: self.os == LabOsArg::Image,
         }
     }
 }

@@ -55,6 +55,9 @@ where
     }
 }
 
+/// One lab at a time: two would share two cores under TCG.
+static ONE_LAB: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Runs `lab down` however the test ends, so a failed assertion leaves no QEMU or apiserver behind.
 struct LabDownOnDrop(String);
 
@@ -66,6 +69,7 @@ impl Drop for LabDownOnDrop {
 
 #[tokio::test]
 async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_cleanly() {
+    let _one = ONE_LAB.lock().await;
     let dir: PathBuf = metalboot::controlplane::project_dir()
         .join(format!("target/e2e-lab-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -395,6 +399,85 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
         String::from_utf8_lossy(&leftovers.stdout).trim().is_empty(),
         "processes still using the lab dir: {}",
         String::from_utf8_lossy(&leftovers.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `lab up --os image`: the lab's host gets a disk, metalboot's deploy agent writes the lab's
+/// Debian to it from the qcow2 image (streamed, checked), the host boots its disk and the
+/// installed OS's real cloud-init bootstraps it; `lab status` shows the machine Running and the
+/// MetalHost the agent's inventory.
+#[tokio::test]
+async fn lab_up_in_image_mode_writes_the_os_to_disk_and_boots_it() {
+    let _one = ONE_LAB.lock().await;
+    let dir: PathBuf = metalboot::controlplane::project_dir()
+        .join(format!("target/e2e-lab-image-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.to_str().expect("utf-8 path").to_string();
+    let _lab_down = LabDownOnDrop(dir_s.clone());
+    let up = metalboot(&[
+        "lab",
+        "up",
+        "--hosts",
+        "1",
+        "--ipmi-hosts",
+        "0",
+        "--os",
+        "image",
+        "--dir",
+        &dir_s,
+        "--timeout-seconds",
+        "1200",
+        "--boot-timeout-seconds",
+        "600",
+    ]);
+    let stdout = String::from_utf8_lossy(&up.stdout).into_owned();
+    let state: Option<LabState> = std::fs::read(dir.join("state.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    let serial = state
+        .as_ref()
+        .and_then(|s| s.hosts.first())
+        .and_then(|h| std::fs::read_to_string(&h.serial_log).ok())
+        .unwrap_or_default();
+    assert!(
+        up.status.success(),
+        "lab up --os image failed:\n{stdout}\n{}\nconsole:\n{}",
+        String::from_utf8_lossy(&up.stderr),
+        &serial[serial.len().saturating_sub(6000)..]
+    );
+    println!("{stdout}");
+    assert!(stdout.contains("all 1 Machines Running"), "{stdout}");
+    // The deploy agent wrote the disk; the installed OS booted from it and bootstrapped.
+    assert!(
+        serial.contains("metalboot::agent") || serial.contains("metalboot agent"),
+        "the deploy agent ran:\n{serial}"
+    );
+    assert!(
+        serial.contains("Datasource DataSourceNoCloud")
+            && serial.contains("reported bootstrap success"),
+        "the installed OS bootstrapped from its disk:\n{serial}"
+    );
+    let state = state.expect("state.json");
+    let kubeconfig = kube::config::Kubeconfig::read_from(&state.kubeconfig).expect("kubeconfig");
+    let client = metalboot::controlplane::client_from_kubeconfig(kubeconfig)
+        .await
+        .expect("client");
+    let hosts: Api<MetalHost> = Api::namespaced(client, NAMESPACE);
+    let host = hosts.get("lab-host-0").await.expect("MetalHost");
+    let hardware = host.status.and_then(|s| s.hardware).expect("inventory");
+    assert!(
+        hardware
+            .disks
+            .iter()
+            .any(|d| d.name == "vda" && d.size_bytes == 4 << 30),
+        "{hardware:?}"
+    );
+    let down = metalboot(&["lab", "down", "--dir", &dir_s]);
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -83,6 +83,7 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
         kubelet_apiserver: relay_url,
         boot_timeout_seconds: 300,
         boot_url: manager.base_url.clone(),
+        image: None,
     };
     objects
         .base(&[("lab-bmc", password)])

@@ -30,6 +30,8 @@ pub struct LabObjects {
     pub boot_timeout_seconds: i32,
     /// The boot service as the lab hosts reach it: live-boot fetches the root squashfs from it.
     pub boot_url: String,
+    /// `--os image`: the qcow2 image (artifact path, sha256) the deploy agent writes to disk.
+    pub image: Option<(String, String)>,
 }
 
 /// The lab's kubelet stand-in (a bootstrap command), until a real kubelet joins.
@@ -49,6 +51,26 @@ where
 }
 
 impl LabObjects {
+    /// The MetalMachine spec: the lab's Debian, live or written to disk.
+    fn os_spec(&self) -> serde_json::Value {
+        let mut spec = json!({"hostSelector": {"matchLabels": {"metalboot.io/role": "worker"}},
+            "bootTimeoutSeconds": self.boot_timeout_seconds, "bootRetries": 1});
+        match &self.image {
+            Some((url, sha256)) => {
+                spec["mode"] = json!("image");
+                spec["image"] = json!({"url": url, "checksum": sha256,
+                    "checksumType": "sha256", "format": "qcow2"});
+            }
+            // Netbooted by live-boot: the kernel and initrd through iPXE, the root squashfs
+            // fetched by the initrd.
+            None => {
+                spec["boot"] = json!({"kernel": "live/vmlinuz", "initrds": ["live/initrd.img"],
+                    "cmdline": format!("boot=live fetch={}/artifacts/live/filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0 panic=10", self.boot_url)});
+            }
+        }
+        spec
+    }
+
     fn meta(&self, name: &str) -> ObjectMeta {
         ObjectMeta {
             name: Some(name.into()),
@@ -273,16 +295,20 @@ impl LabObjects {
             }),
         )
         .await?;
-        self.apply_json(&self.dynamic("MetalMachine", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalmachines"), json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"hostSelector": {"matchLabels": {"metalboot.io/role": "worker"}},
-                // The lab's Debian, netbooted by live-boot: the kernel and initrd through iPXE,
-                // the root squashfs fetched by the initrd.
-                "boot": {"kernel": "live/vmlinuz", "initrds": ["live/initrd.img"],
-                    "cmdline": format!("boot=live fetch={}/artifacts/live/filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0 panic=10", self.boot_url)},
-                "bootTimeoutSeconds": self.boot_timeout_seconds, "bootRetries": 1},
-        })).await?;
+        self.apply_json(
+            &self.dynamic(
+                "MetalMachine",
+                "infrastructure.cluster.x-k8s.io",
+                "v1alpha1",
+                "metalmachines",
+            ),
+            json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachine",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": self.os_spec(),
+            }),
+        )
+        .await?;
         let labels = if i == 0 {
             json!({CLUSTER_NAME_LABEL: CLUSTER, "cluster.x-k8s.io/control-plane": ""})
         } else {

@@ -45,6 +45,9 @@ pub struct LabOptions {
     pub network: NetworkMode,
     /// Simulated hosts instead of QEMU ones (`--simulated-hosts`).
     pub simulated: Option<Simulated>,
+    /// `--os image`: the deploy agent writes the lab's Debian to each host's disk, instead of
+    /// the hosts netbooting it live.
+    pub image_mode: bool,
 }
 
 /// `lab up --simulated-hosts N`: the fleet of [`super::fleet`] on loopback, no QEMU.
@@ -312,6 +315,13 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
                 ..Default::default()
             }),
             artifacts_dir: Some(image.clone()),
+            deploy: opts
+                .image_mode
+                .then(|| crate::api::metalmachine::BootProfile {
+                    kernel: "deploy-vmlinuz".into(),
+                    initrds: vec!["deploy-initrd.gz".into()],
+                    cmdline: Some("console=ttyS0".into()),
+                }),
             power_poll_interval: Duration::from_secs(15),
             graceful_off: Duration::from_secs(30),
             deprovision_timeout: Duration::from_secs(120),
@@ -324,6 +334,25 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
 
     let bmc_password = crate::boot::tokens::Token::mint().expose()[..24].to_string();
     let mut hosts: Vec<Arc<QemuHost>> = Vec::new();
+    // Image mode: a fresh, empty 4 GiB virtio disk per host and lab run.
+    let disk_of = |i: u32| -> Result<Option<PathBuf>, LabError> {
+        if !opts.image_mode {
+            return Ok(None);
+        }
+        let path = dir
+            .join("hosts")
+            .join(format!("lab-host-{i}"))
+            .join("disk.raw");
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(io(format!("creating {}", parent.display())))?;
+        }
+        let _ = std::fs::remove_file(&path);
+        std::fs::File::create(&path)
+            .and_then(|f| f.set_len(4 << 30))
+            .map_err(io(format!("creating {}", path.display())))?;
+        Ok(Some(path))
+    };
     let qemu_hosts = if opts.simulated.is_some() {
         0
     } else {
@@ -354,7 +383,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             dir: dir.join("hosts").join(format!("lab-host-{i}")),
             accel,
             graceful_seconds: 30,
-            disk: None,
+            disk: disk_of(i)?,
         })));
     }
     for h in &hosts {
@@ -453,6 +482,18 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         kubelet_apiserver: format!("http://{host_side_ip}:{relay_port}"),
         boot_timeout_seconds: opts.boot_timeout_seconds,
         boot_url: boot_url.clone(),
+        image: if opts.image_mode {
+            let sums = std::fs::read_to_string(image.join("SHA256SUMS"))
+                .map_err(io("reading the lab image's SHA256SUMS"))?;
+            let checksum = sums
+                .lines()
+                .find(|l| l.ends_with(" debian.qcow2"))
+                .and_then(|l| l.split_whitespace().next())
+                .ok_or_else(|| LabError::Setup("debian.qcow2 is not in SHA256SUMS".into()))?;
+            Some(("debian.qcow2".to_string(), checksum.to_string()))
+        } else {
+            None
+        },
     };
     objects
         .base(&[("lab-bmc", &bmc_password), ("lab-ipmi", &ipmi_password)])
@@ -813,8 +854,14 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
         "hack/install-deps.sh",
         "hack/control-plane/build.sh",
         "hack/os-image/build.sh",
+        "hack/deploy-ramdisk/build.sh",
     ];
-    for script in &scripts[..if simulated { 2 } else { 3 }] {
+    let needed = match (simulated, opts.image_mode) {
+        (true, _) => 2,
+        (false, false) => 3,
+        (false, true) => 4,
+    };
+    for script in &scripts[..needed] {
         let status = std::process::Command::new(project.join(script))
             .status()
             .map_err(io(format!("running {script}")))?;
@@ -829,8 +876,25 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
     let os = std::env::var_os("OS_IMAGE_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| project.join("target/lab/os"));
-    for f in LIVE_FILES.iter().filter(|_| !simulated) {
-        let (from, to) = (os.join("live").join(f), live.join(f));
+    // Image mode also serves the deploy ramdisk and the qcow2 image.
+    let deploy = project.join("target/lab/deploy");
+    let image_files = [
+        (deploy.join("vmlinuz"), "deploy-vmlinuz"),
+        (deploy.join("initrd.gz"), "deploy-initrd.gz"),
+        (os.join("debian.qcow2"), "debian.qcow2"),
+        (os.join("SHA256SUMS"), "SHA256SUMS"),
+    ];
+    let links = LIVE_FILES
+        .iter()
+        .map(|f| (os.join("live").join(f), live.join(f)))
+        .chain(
+            image_files
+                .iter()
+                .filter(|_| opts.image_mode)
+                .map(|(from, to)| (from.clone(), opts.dir.join("image").join(to))),
+        )
+        .filter(|_| !simulated);
+    for (from, to) in links {
         let _ = std::fs::remove_file(&to);
         if std::fs::hard_link(&from, &to).is_err() {
             std::fs::copy(&from, &to).map_err(io(format!("copying {}", from.display())))?;
@@ -866,6 +930,7 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
     ])
     .args(opts.standalone.then_some("--standalone"))
     .args(["--ipmi-hosts", &opts.ipmi_hosts.to_string()])
+    .args(["--os", if opts.image_mode { "image" } else { "live" }])
     .args([
         "--network",
         match opts.network {
