@@ -202,8 +202,9 @@ impl Window<'_> {
                 break;
             }
         }
-        let from = (offset - self.start) as usize;
-        let have = self.bytes.len().saturating_sub(from).min(len);
+        // An offset past the image's end (a hostile table) gives nothing, never a bad slice.
+        let from = ((offset - self.start) as usize).min(self.bytes.len());
+        let have = (self.bytes.len() - from).min(len);
         if have < len && !short_ok {
             return Err(ImageError::Source(io::Error::new(
                 io::ErrorKind::UnexpectedEof,

@@ -321,17 +321,27 @@ pub fn next_attempt(secret: &Secret) -> Secret {
         .get_or_insert_with(Default::default);
     annotations.insert(ANN_ATTEMPT.into(), (attempt + 1).to_string());
     annotations.insert(ANN_INSTANCE_ID.into(), format!("{uid}-{}", attempt + 1));
+    // The next attempt deploys again; what the agent found about the hardware stays true.
+    renew(&mut next);
+    next
+}
+
+/// A fresh token for the same Secret, and nothing of what the last token's boot recorded: not
+/// powered, not restarted into its disk, no callback, no deploy report.
+fn renew(secret: &mut Secret) {
+    let annotations = secret
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
     annotations.remove(ANN_POWERED_AT);
     annotations.remove(ANN_DISK_BOOT_AT);
-    let data = next.data.get_or_insert_with(Default::default);
+    let data = secret.data.get_or_insert_with(Default::default);
     data.insert(
         KEY_TOKEN.into(),
         ByteString(Token::mint().expose().as_bytes().to_vec()),
     );
     data.remove(KEY_CALLBACK);
-    // The next attempt deploys again; what the agent found about the hardware stays true.
     data.remove(KEY_DEPLOY);
-    next
 }
 
 /// The same boot Secret armed for the next network boot of a provisioned live-mode machine: a
@@ -349,15 +359,7 @@ pub fn next_boot(secret: &Secret) -> Secret {
         .and_then(|n| n.parse::<u32>().ok())
         .unwrap_or(0);
     annotations.insert(ANN_BOOT.into(), boot.saturating_add(1).to_string());
-    annotations.remove(ANN_POWERED_AT);
-    annotations.remove(ANN_DISK_BOOT_AT);
-    let data = next.data.get_or_insert_with(Default::default);
-    data.insert(
-        KEY_TOKEN.into(),
-        ByteString(Token::mint().expose().as_bytes().to_vec()),
-    );
-    data.remove(KEY_CALLBACK);
-    data.remove(KEY_DEPLOY);
+    renew(&mut next);
     next
 }
 

@@ -374,31 +374,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
         Step::ArmNextBoot { host, netboot } => {
             // The next power-on network-boots the OS again. Best effort, as for image mode's
             // disk: a BMC that refuses leaves a warning, and the host's own boot order decides.
-            let target = host_named(o, host)?;
-            let result = if !*netboot {
-                Ok(())
-            } else {
-                match bmc_for(ctx, target).await {
-                    Ok(bmc) => bmc
-                        .set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
-                        .await
-                        .map_err(|e| Fault::from_bmc(&e)),
-                    Err(f) => Err(f),
-                }
-            };
-            if let Err(f) = result {
-                tracing::warn!(host = %host, reason = f.reason, "could not set the next boot to the network: {}", f.message);
-                ctx.events
-                    .publish(
-                        mm,
-                        true,
-                        "BootOverrideNotSet",
-                        format!(
-                            "MetalHost {host}: could not point the next boot at the network: {}",
-                            f.message
-                        ),
-                    )
-                    .await;
+            if *netboot {
+                next_boot_best_effort(ctx, o, mm, host, BootDevice::Pxe).await?;
             }
             let current = ctx
                 .stores
@@ -447,28 +424,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
         Step::BootFromDisk { host } => {
             // The one-time network boot was consumed; leave the next boot to the disk. Best
             // effort: a BMC that refuses leaves a warning, not an unprovisioned machine.
-            let target = host_named(o, host)?;
-            let result = match bmc_for(ctx, target).await {
-                Ok(bmc) => bmc
-                    .set_boot_once(BootDevice::Hdd, target.spec.boot_mode)
-                    .await
-                    .map_err(|e| Fault::from_bmc(&e)),
-                Err(f) => Err(f),
-            };
-            if let Err(f) = result {
-                tracing::warn!(host = %host, reason = f.reason, "could not set the next boot back to disk: {}", f.message);
-                ctx.events
-                    .publish(
-                        mm,
-                        true,
-                        "BootOverrideNotReset",
-                        format!(
-                            "MetalHost {host}: could not point the next boot at the disk: {}",
-                            f.message
-                        ),
-                    )
-                    .await;
-            }
+            next_boot_best_effort(ctx, o, mm, host, BootDevice::Hdd).await?;
             Ok(())
         }
         Step::DeleteBootSecret => {
@@ -553,6 +509,48 @@ fn release_fault_message(machine: &str, fault: &Fault) -> String {
 }
 
 /// The Machine's bootstrap data: inline `spec.bootstrap.data`, or the data Secret's `value`.
+/// Points the host's next boot at `device`. Best effort: a BMC that refuses leaves a warning
+/// Event, and the host's own boot order decides; the machine's progress does not wait on it.
+async fn next_boot_best_effort(
+    ctx: &MachineContext,
+    o: &Observed,
+    mm: &MetalMachine,
+    host: &str,
+    device: BootDevice,
+) -> Result<(), ActError> {
+    let target = host_named(o, host)?;
+    let result = match bmc_for(ctx, target).await {
+        Ok(bmc) => bmc
+            .set_boot_once(device, target.spec.boot_mode)
+            .await
+            .map_err(|e| Fault::from_bmc(&e)),
+        Err(f) => Err(f),
+    };
+    if let Err(f) = result {
+        let what = match device {
+            BootDevice::Hdd => "the disk",
+            _ => "the network",
+        };
+        tracing::warn!(host = %host, reason = f.reason, "could not point the next boot at {what}: {}", f.message);
+        let reason = match device {
+            BootDevice::Hdd => "BootOverrideNotReset",
+            _ => "BootOverrideNotSet",
+        };
+        ctx.events
+            .publish(
+                mm,
+                true,
+                reason,
+                format!(
+                    "MetalHost {host}: could not point the next boot at {what}: {}",
+                    f.message
+                ),
+            )
+            .await;
+    }
+    Ok(())
+}
+
 async fn bootstrap_data(
     ctx: &MachineContext,
     o: &Observed,
