@@ -322,6 +322,11 @@ fn main() {
             "/artifacts",
             metalboot::boot::artifacts::artifacts_router(www.join("artifacts")),
         );
+        let files = metalboot::boot::front::FileRoutes::default().route(
+            "/artifacts",
+            &www.join("artifacts"),
+            None,
+        );
         let servers = [
             tokio::spawn(async move {
                 let _ = dhcp.serve().await;
@@ -330,7 +335,13 @@ fn main() {
                 let _ = tftp.serve().await;
             }),
             tokio::spawn(async move {
-                let _ = metalboot::boot::serve::serve(listener, app, Default::default()).await;
+                let _ = metalboot::boot::serve::serve_with_files(
+                    listener,
+                    app,
+                    Default::default(),
+                    files,
+                )
+                .await;
             }),
         ];
         let phases = storm().await;

@@ -298,11 +298,14 @@ pub async fn start(
     };
     match (&reflectors, serves_hosts) {
         (Some(reflectors), true) => {
-            let app = start_infrastructure(&client, &opts, reflectors, &mut running).await?;
+            let (app, files) =
+                start_infrastructure(&client, &opts, reflectors, &mut running).await?;
             let limits = opts.http_limits.clone();
             tracing::info!(listen = %boot_addr, advertise = %running.base_url, limits = ?limits, "boot HTTP service listening");
             running.tasks.push(tokio::spawn(async move {
-                if let Err(e) = crate::boot::serve::serve(listener, app, limits).await {
+                if let Err(e) =
+                    crate::boot::serve::serve_with_files(listener, app, limits, files).await
+                {
                     tracing::error!(error = %e, "boot HTTP service stopped");
                 }
             }));
@@ -427,7 +430,7 @@ async fn start_infrastructure(
     opts: &ManagerOptions,
     reflectors: &crate::stores::Reflectors,
     running: &mut RunningManager,
-) -> Result<axum::Router, ManagerError> {
+) -> Result<(axum::Router, crate::boot::front::FileRoutes), ManagerError> {
     let namespace = opts.namespace.as_deref();
     let watch_filter = opts.watch_filter.clone();
     let tftp = match &opts.tftp {
@@ -517,7 +520,17 @@ async fn start_infrastructure(
         .helpers
         .push(tokio::spawn(async move { syncing.wait_for_stores().await }));
     let mut router = boot_http::router(state.clone());
+    // The front sends these files with sendfile(2); the Router answers what it hands over.
+    let mut files = crate::boot::front::FileRoutes::default();
     if let Some(dir) = &opts.artifacts_dir {
+        let timeline = state.clone();
+        files = files.route(
+            "/artifacts",
+            dir,
+            Some(std::sync::Arc::new(move |ip, file: &str| {
+                timeline.artifact_served(ip, file)
+            })),
+        );
         router = router.nest(
             "/artifacts",
             crate::boot::artifacts::artifacts_router(dir.clone()).layer(
@@ -528,6 +541,7 @@ async fn start_infrastructure(
     if let Some((_, root)) = &opts.tftp {
         // UEFI HTTP Boot clients fetch the same programs PXE clients get over TFTP.
         router = router.nest_service("/nbp", tower_http::services::ServeDir::new(root));
+        files = files.route("/nbp", root, None);
     }
     let app = router.layer(middleware::from_fn(boot_http::access_log));
     if let Some(settings) = &opts.dhcp {
@@ -577,5 +591,5 @@ async fn start_infrastructure(
         cluster_controller,
         cluster_ctx,
     )));
-    Ok(app)
+    Ok((app, files))
 }

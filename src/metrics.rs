@@ -18,6 +18,8 @@ pub struct Metrics {
     pub http_requests: Family<Labels, Counter>,
     pub http_bytes: Family<Labels, Counter>,
     pub http_refused: Family<Labels, Counter>,
+    pub http_sendfile_bytes: Counter,
+    pub http_aborted: Family<Labels, Counter>,
     pub events_suppressed: Family<Labels, Counter>,
     pub callbacks: Family<Labels, Counter>,
     pub tftp_transfers: Family<Labels, Counter>,
@@ -68,6 +70,8 @@ pub fn metrics() -> &'static Metrics {
             http_requests: Family::default(),
             http_bytes: Family::default(),
             http_refused: Family::default(),
+            http_sendfile_bytes: Counter::default(),
+            http_aborted: Family::default(),
             events_suppressed: Family::default(),
             callbacks: Family::default(),
             tftp_transfers: Family::default(),
@@ -91,6 +95,16 @@ pub fn metrics() -> &'static Metrics {
             "boot_http_bytes",
             "Bytes sent by the boot service, by route",
             m.http_bytes.clone(),
+        );
+        registry.register(
+            "boot_http_sendfile_bytes",
+            "Bytes of files the boot service handed to the kernel with sendfile(2), never copied through user space",
+            m.http_sendfile_bytes.clone(),
+        );
+        registry.register(
+            "boot_http_responses_aborted",
+            "Boot service responses cut off mid-way, by reason (stalled client, lifetime, file shrank, body too large)",
+            m.http_aborted.clone(),
         );
         registry.register(
             "boot_http_connections_refused",
@@ -189,6 +203,30 @@ pub fn record_http(path: &str, status: u16, bytes: Option<u64>) {
             .get_or_create(&labels(&[("route", route)]))
             .inc_by(b);
     }
+}
+
+pub fn record_sendfile(bytes: u64) {
+    metrics().http_sendfile_bytes.inc_by(bytes);
+}
+
+/// Bytes sent with sendfile(2) so far (tests check the zero-copy path was taken).
+pub fn sendfile_bytes() -> u64 {
+    metrics().http_sendfile_bytes.get()
+}
+
+pub fn record_http_aborted(reason: &str) {
+    metrics()
+        .http_aborted
+        .get_or_create(&labels(&[("reason", reason)]))
+        .inc();
+}
+
+/// Responses cut off for `reason` so far.
+pub fn http_aborted(reason: &str) -> u64 {
+    metrics()
+        .http_aborted
+        .get_or_create(&labels(&[("reason", reason)]))
+        .get()
 }
 
 pub fn record_http_refused(budget: &str) {

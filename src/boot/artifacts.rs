@@ -49,7 +49,7 @@ pub fn check_relative_path(path: &str) -> Result<(), PathRejection> {
     Ok(())
 }
 
-fn percent_decode(s: &str) -> Option<String> {
+pub(crate) fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -7,6 +7,7 @@ pub mod artifacts;
 pub mod budget;
 pub mod dhcp;
 pub mod dhcpd;
+pub mod front;
 pub mod http;
 pub mod ipxe;
 pub mod leases;

@@ -2,7 +2,8 @@
 //! connect, so every connection is bounded: how many at once (in all, and per client address),
 //! how long its request headers may take, how long one request may run, and how long the
 //! connection may live at all. `axum::serve` has none of these knobs; hyper's connection builder
-//! has the header timeout, the rest is the accept loop below.
+//! has the header timeout, the rest is the accept loop below. With file routes, each connection
+//! first goes through `front`, which sends files with sendfile(2) and hands hyper the rest.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -15,6 +16,7 @@ use tokio::net::TcpListener;
 use tower::ServiceExt;
 
 use super::budget::{ClientSlots, Slot};
+use super::front::{self, FileRoutes};
 
 /// Budgets of the boot HTTP server.
 #[derive(Clone, Debug)]
@@ -24,8 +26,11 @@ pub struct HttpLimits {
     /// Connections open at once from one client address.
     pub max_connections_per_client: usize,
     /// Time to send a request's headers (slowloris), also while a kept-alive connection idles.
+    /// With file routes the wait for the first byte and the wait for the rest of a head that
+    /// came in pieces are each bounded by it.
     pub header_read_timeout: Duration,
-    /// Time one request may take, body included.
+    /// Time one request may take to be answered; a file transfer instead may not stall (the
+    /// client taking nothing) for this long.
     pub request_timeout: Duration,
     /// Time a connection may stay open at all, however busy.
     pub connection_lifetime: Duration,
@@ -45,6 +50,18 @@ impl Default for HttpLimits {
 
 /// Serves `app` on `listener` within `limits` until the listener fails.
 pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> std::io::Result<()> {
+    serve_with_files(listener, app, limits, FileRoutes::default()).await
+}
+
+/// As `serve`, with `files` sent by the front with sendfile(2). `app` must serve the same
+/// directories at the same prefixes: it answers whatever the front hands over.
+pub async fn serve_with_files(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    files: FileRoutes,
+) -> std::io::Result<()> {
+    let files = std::sync::Arc::new(files);
     let app = app.layer(tower_http::timeout::TimeoutLayer::with_status_code(
         axum::http::StatusCode::REQUEST_TIMEOUT,
         limits.request_timeout,
@@ -71,6 +88,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> st
             stream,
             remote,
             app.clone(),
+            files.clone(),
             limits.clone(),
             slot,
         ));
@@ -78,12 +96,20 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> st
 }
 
 async fn connection(
-    stream: tokio::net::TcpStream,
+    mut stream: tokio::net::TcpStream,
     remote: SocketAddr,
     app: Router,
+    files: std::sync::Arc<FileRoutes>,
     limits: HttpLimits,
     _slot: Slot,
 ) {
+    let deadline = tokio::time::Instant::now() + limits.connection_lifetime;
+    if !files.is_empty() {
+        match front::front(&mut stream, remote, &app, &files, &limits, deadline).await {
+            front::Next::Close => return,
+            front::Next::HandOff => {}
+        }
+    }
     let service = app.map_request(move |mut request: hyper::Request<hyper::body::Incoming>| {
         request.extensions_mut().insert(ConnectInfo(remote));
         request
@@ -101,7 +127,7 @@ async fn connection(
                 tracing::debug!(client = %remote.ip(), error = %e, "boot HTTP connection ended");
             }
         }
-        _ = tokio::time::sleep(limits.connection_lifetime) => {
+        _ = tokio::time::sleep_until(deadline) => {
             // Let an in-flight response finish, then close.
             conn.as_mut().graceful_shutdown();
             let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
