@@ -132,7 +132,13 @@ async fn main() {
         .status()
         .expect("chmod");
 
-    let ours = Tftp::bind("127.0.0.1:0".parse().expect("addr"), root.path())
+    // All clients come from 127.0.0.1: the per-address budget (32 by default) is raised so the
+    // storm measures transfers, not refusals.
+    let limits = metalboot::boot::tftp::TftpLimits {
+        max_per_client: CLIENTS,
+        ..Default::default()
+    };
+    let ours = Tftp::bind_with("127.0.0.1:0".parse().expect("addr"), root.path(), limits)
         .await
         .expect("bind metalboot TFTP");
     let our_addr = ours.local_addr().expect("address");
