@@ -16,6 +16,8 @@ use axum::extract::{ConnectInfo, Path};
 use axum::routing::get;
 use metalboot::boot::dhcp::{Answer, BootFiles, BootOffer};
 use metalboot::boot::dhcpd::{BootClients, DhcpConfig, DhcpService};
+use metalboot::boot::front::FileRoutes;
+use metalboot::boot::serve::{HttpLimits, serve_with_files};
 use metalboot::boot::tftp::{Tftp, TransferObserver};
 use metalboot::lab::net::{BOOT_IP, LabNetwork, POOL};
 use metalboot::lab::qemu::{Accel, Firmware, HostNetwork, QemuHost, QemuHostSpec};
@@ -127,13 +129,23 @@ async fn bios_uefi_pxe_and_uefi_http_boot_hosts_chain_to_the_boot_service_over_a
         .tcp_listener(SocketAddr::from((BOOT_IP, HTTP_PORT)))
         .expect("HTTP in the namespace");
     let app = boot_router(seen.clone());
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-    });
+    // The boot server as the manager runs it: the firmware's NBP download over UEFI HTTP Boot goes
+    // out through the front with sendfile, and counts here once it is whole.
+    let fetched = seen.clone();
+    let files = FileRoutes::default().route(
+        "/nbp",
+        std::path::Path::new("/usr/lib/ipxe"),
+        Some(Arc::new(move |from: IpAddr, _: &str| {
+            fetched.nbp.lock().unwrap().push(from)
+        })),
+    );
+    let sent_before = metalboot::metrics::sendfile_bytes();
+    tokio::spawn(serve_with_files(
+        listener,
+        app,
+        HttpLimits::default(),
+        files,
+    ));
     let mut config = DhcpConfig::new(
         BOOT_IP,
         BootFiles::new(&format!("http://{BOOT_IP}:{HTTP_PORT}")),
@@ -219,6 +231,10 @@ async fn bios_uefi_pxe_and_uefi_http_boot_hosts_chain_to_the_boot_service_over_a
         "{answers:?}"
     );
     assert!(seen.nbp.lock().unwrap().contains(&reached[hosts[2].1]));
+    assert!(
+        metalboot::metrics::sendfile_bytes() > sent_before,
+        "the UEFI firmware's NBP went out with sendfile"
+    );
     assert!(!tftp.iter().any(|(mac, _)| mac == hosts[2].1));
     // Every iPXE (the BIOS ROM's and the chain-loaded ones) got the script, not a program.
     for (_, mac, _) in &hosts {
