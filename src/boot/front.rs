@@ -34,6 +34,8 @@ const MAX_HEAD: usize = 8 * 1024;
 const MAX_HEADERS: usize = 32;
 /// Largest body buffered for a route that is not a file (scripts, NoCloud documents, metrics).
 const MAX_BUFFERED_BODY: usize = 8 << 20;
+/// Most bytes one sendfile(2) call may send.
+const SENDFILE_CHUNK: u64 = 2 << 20;
 /// After its lifetime a connection may finish the transfer in flight for this long (as hyper's
 /// graceful shutdown does in `serve`).
 const LIFETIME_GRACE: Duration = Duration::from_secs(5);
@@ -45,7 +47,7 @@ pub type ServedHook = Arc<dyn Fn(IpAddr, &str) + Send + Sync>;
 /// `ServeDir`, which still answers every request the front hands over.
 #[derive(Clone, Default)]
 pub struct FileRoutes {
-    routes: Vec<FileRoute>,
+    routes: Vec<Arc<FileRoute>>,
 }
 
 #[derive(Clone)]
@@ -61,11 +63,11 @@ impl FileRoutes {
     /// Serves the files under `dir` at `prefix` (for example `/artifacts`).
     pub fn route(mut self, prefix: &str, dir: &Path, served: Option<ServedHook>) -> Self {
         let root = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-        self.routes.push(FileRoute {
+        self.routes.push(Arc::new(FileRoute {
             prefix: format!("{}/", prefix.trim_end_matches('/')),
             root,
             served,
-        });
+        }));
         self
     }
 
@@ -109,8 +111,13 @@ pub(super) async fn front(
         let answered = match plan(&request, files) {
             Plan::HandOff => return Next::HandOff,
             Plan::File { route, relative } => {
-                let Some(file) = open(route, &relative, request.headers().get(header::RANGE))
-                else {
+                // Path checks, open and stat touch the disk: off the runtime's threads.
+                let opening = route.clone();
+                let range = request.headers().get(header::RANGE).cloned();
+                let opened =
+                    tokio::task::spawn_blocking(move || open(&opening, &relative, range.as_ref()))
+                        .await;
+                let Ok(Some(file)) = opened else {
                     return Next::HandOff;
                 };
                 if stream.read_exact(&mut head[..length]).await.is_err() {
@@ -125,12 +132,12 @@ pub(super) async fn front(
                 if stream.read_exact(&mut head[..length]).await.is_err() {
                     return Next::Close;
                 }
-                answer_route(stream, request, remote, app, keep_alive, limits).await
+                answer_route(stream, request, remote, app, keep_alive, limits, deadline).await
             }
         };
         match answered {
-            Ok(()) if keep_alive => continue,
-            Ok(()) => {
+            Ok(Kept::Open) if keep_alive => continue,
+            Ok(_) => {
                 let _ = stream.shutdown().await;
                 return Next::Close;
             }
@@ -169,7 +176,7 @@ fn parse_head(bytes: &[u8]) -> Option<(usize, Request<()>)> {
 #[derive(Debug)]
 enum Plan<'a> {
     File {
-        route: &'a FileRoute,
+        route: &'a Arc<FileRoute>,
         relative: String,
     },
     Route,
@@ -230,14 +237,8 @@ fn plan<'a>(request: &Request<()>, files: &'a FileRoutes) -> Plan<'a> {
 
 /// HTTP/1.1 keeps the connection unless the client says `close`; HTTP/1.0 closes it.
 fn keeps_alive(request: &Request<()>) -> bool {
-    let close = request
-        .headers()
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case("close"));
-    request.version() == Version::HTTP_11 && !close
+    request.version() == Version::HTTP_11
+        && !has_token(request.headers().get_all(header::CONNECTION), "close")
 }
 
 /// A file ready to send: opened, measured, and its range checked.
@@ -336,12 +337,12 @@ async fn answer_file(
     keep_alive: bool,
     limits: &HttpLimits,
     deadline: Instant,
-) -> Result<(), Ended> {
+) -> Result<Kept, Ended> {
     let started = std::time::Instant::now();
     let mut headers = HeaderMap::new();
     headers.insert(header::CONTENT_TYPE, file.content_type.clone());
     headers.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
-    if let Some(modified) = file.modified
+    if let Some(modified) = file.modified.filter(|m| http_date_can_show(*m))
         && let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(modified))
     {
         headers.insert(header::LAST_MODIFIED, value);
@@ -357,7 +358,10 @@ async fn answer_file(
         StatusCode::OK
     };
     let head = response_head(status, &headers, Some(file.length), keep_alive);
-    write_all(stream, &head, limits.request_timeout).await?;
+    // Corked, the head leaves in the same segment as the file's first bytes (nginx's
+    // `tcp_nopush`): no small segment for the client to hold a delayed ACK on.
+    let _ = socket2::SockRef::from(&*stream).set_tcp_cork(true);
+    write_all(stream, &head, limits.request_timeout, deadline).await?;
     let head_only = request.method() == Method::HEAD;
     if !head_only {
         send_file(
@@ -374,10 +378,25 @@ async fn answer_file(
             served(remote.ip(), &file.name);
         }
     }
+    let _ = socket2::SockRef::from(&*stream).set_tcp_cork(false);
     let path = request.uri().path();
     crate::metrics::record_http(path, status.as_u16(), Some(file.length));
     access_log(request, status, remote, started);
-    Ok(())
+    Ok(Kept::Open)
+}
+
+/// httpdate panics on times before 1970 or past 9999; a file's mtime can be either.
+fn http_date_can_show(time: SystemTime) -> bool {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .is_ok_and(|since| since.as_secs() < 253_402_300_800)
+}
+
+/// Whether the response let the connection stay open.
+#[derive(Debug, PartialEq)]
+enum Kept {
+    Open,
+    /// The app said `Connection: close`.
+    Closing,
 }
 
 /// Sends `length` bytes of `file` from `start` with sendfile(2): from the page cache to the
@@ -400,8 +419,9 @@ async fn send_file(
             Err(_) if Instant::now() >= deadline => return Err(Ended::Lifetime),
             Err(_) => return Err(Ended::Stalled(stall)),
         }
-        // Linux sends at most 0x7ffff000 bytes per call.
-        let chunk = usize::try_from(left.min(0x7fff_f000)).unwrap_or(0x7fff_f000);
+        // A bounded chunk per call: on a cold page cache sendfile waits for the disk, on a
+        // runtime thread.
+        let chunk = usize::try_from(left.min(SENDFILE_CHUNK)).unwrap_or(1 << 20);
         let sent = stream.try_io(Interest::WRITABLE, || {
             nix::sys::sendfile::sendfile64(stream, file, Some(&mut offset), chunk)
                 .map_err(std::io::Error::from)
@@ -409,7 +429,14 @@ async fn send_file(
         match sent {
             Ok(0) => return Err(Ended::FileShrank),
             Ok(n) => left = left.saturating_sub(n as u64),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
             Err(e) => return Err(Ended::Write(e)),
         }
     }
@@ -423,7 +450,8 @@ async fn answer_route(
     app: &Router,
     keep_alive: bool,
     limits: &HttpLimits,
-) -> Result<(), Ended> {
+    deadline: Instant,
+) -> Result<Kept, Ended> {
     let head_only = request.method() == Method::HEAD;
     let mut request = request.map(|()| axum::body::Body::empty());
     request.extensions_mut().insert(ConnectInfo(remote));
@@ -434,7 +462,7 @@ async fn answer_route(
     };
     let (parts, body) = response.into_parts();
     let body = match tokio::time::timeout(
-        limits.request_timeout,
+        bounded(limits.request_timeout, deadline),
         Limited::new(body, MAX_BUFFERED_BODY).collect(),
     )
     .await
@@ -443,25 +471,57 @@ async fn answer_route(
         Ok(Err(_)) => return Err(Ended::Body),
         Err(_) => return Err(Ended::Stalled(limits.request_timeout)),
     };
+    // HEAD: the length the app gave, if any (as hyper does); GET: the body's.
     let length = if head_only {
         parts
             .headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok())
-            .unwrap_or(body.len() as u64)
     } else {
-        body.len() as u64
+        Some(body.len() as u64)
     };
-    let mut out = response_head(parts.status, &parts.headers, Some(length), keep_alive);
-    if !head_only {
+    let app_closes = has_token(parts.headers.get_all(header::CONNECTION), "close");
+    let keep_alive = keep_alive && !app_closes;
+    let mut out = response_head(parts.status, &parts.headers, length, keep_alive);
+    if !head_only && !bodiless(parts.status) {
         out.extend_from_slice(&body);
     }
-    write_all(stream, &out, limits.request_timeout).await
+    write_all(stream, &out, limits.request_timeout, deadline).await?;
+    Ok(if keep_alive {
+        Kept::Open
+    } else {
+        Kept::Closing
+    })
 }
 
-async fn write_all(stream: &mut TcpStream, bytes: &[u8], stall: Duration) -> Result<(), Ended> {
-    match tokio::time::timeout(stall, stream.write_all(bytes)).await {
+/// A wait bounded by `budget` and by the connection's lifetime (plus the grace).
+fn bounded(budget: Duration, deadline: Instant) -> Duration {
+    budget.min((deadline + LIFETIME_GRACE).saturating_duration_since(Instant::now()))
+}
+
+/// Statuses that never carry a body.
+fn bodiless(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+}
+
+fn has_token(values: header::GetAll<'_, HeaderValue>, token: &str) -> bool {
+    values
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+async fn write_all(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    stall: Duration,
+    deadline: Instant,
+) -> Result<(), Ended> {
+    match tokio::time::timeout(bounded(stall, deadline), stream.write_all(bytes)).await {
         Ok(result) => Ok(result?),
         Err(_) => Err(Ended::Stalled(stall)),
     }
@@ -503,10 +563,7 @@ fn response_head(
         out.extend_from_slice(httpdate::fmt_http_date(SystemTime::now()).as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    let bodiless = status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
-    if let Some(length) = content_length.filter(|_| !bodiless) {
+    if let Some(length) = content_length.filter(|_| !bodiless(status)) {
         out.extend_from_slice(format!("content-length: {length}\r\n").as_bytes());
     }
     if !keep_alive {
@@ -645,6 +702,18 @@ mod tests {
         ] {
             assert!(parse_head(bad.as_bytes()).is_none(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_file_time_httpdate_cannot_show_is_left_out_not_a_panic() {
+        let epoch = SystemTime::UNIX_EPOCH;
+        assert!(http_date_can_show(
+            epoch + Duration::from_secs(1_700_000_000)
+        ));
+        assert!(!http_date_can_show(epoch - Duration::from_secs(1)));
+        assert!(!http_date_can_show(
+            epoch + Duration::from_secs(253_402_300_800)
+        ));
     }
 
     #[test]
