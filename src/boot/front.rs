@@ -379,9 +379,14 @@ async fn answer_file(
         }
     }
     let _ = socket2::SockRef::from(&*stream).set_tcp_cork(false);
-    let path = request.uri().path();
-    crate::metrics::record_http(path, status.as_u16(), Some(file.length));
-    access_log(request, status, remote, started);
+    super::http::log_request(
+        request.method(),
+        request.uri().path(),
+        status.as_u16(),
+        Some(remote.ip()),
+        started,
+        Some(file.length),
+    );
     Ok(Kept::Open)
 }
 
@@ -571,24 +576,6 @@ fn response_head(
     }
     out.extend_from_slice(b"\r\n");
     out
-}
-
-fn access_log(
-    request: &Request<()>,
-    status: StatusCode,
-    remote: SocketAddr,
-    started: std::time::Instant,
-) {
-    tracing::info!(
-        target: "metalboot::boot::access",
-        method = %request.method(),
-        path = %super::http::redact_path(request.uri().path()),
-        status = status.as_u16(),
-        client = ?Some(remote.ip()),
-        ms = started.elapsed().as_millis() as u64,
-        sendfile = true,
-        "request"
-    );
 }
 
 #[cfg(test)]

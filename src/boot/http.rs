@@ -724,7 +724,6 @@ async fn until_ready(
 /// client) — the trail an operator follows when a host does not boot. Layer it outermost.
 pub async fn access_log(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let method = request.method().clone();
-    let path = redact_path(request.uri().path());
     let client = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -737,17 +736,36 @@ pub async fn access_log(request: axum::extract::Request, next: axum::middleware:
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    crate::metrics::record_http(&raw_path, response.status().as_u16(), bytes);
+    log_request(
+        &method,
+        &raw_path,
+        response.status().as_u16(),
+        client,
+        started,
+        bytes,
+    );
+    response
+}
+
+/// One access-log line and the request metrics, for the Router's requests and the front's files.
+pub fn log_request(
+    method: &axum::http::Method,
+    raw_path: &str,
+    status: u16,
+    client: Option<IpAddr>,
+    started: std::time::Instant,
+    bytes: Option<u64>,
+) {
+    crate::metrics::record_http(raw_path, status, bytes);
     tracing::info!(
         target: "metalboot::boot::access",
         %method,
-        %path,
-        status = response.status().as_u16(),
+        path = %redact_path(raw_path),
+        status,
         client = ?client,
         ms = started.elapsed().as_millis() as u64,
         "request"
     );
-    response
 }
 
 /// A request path safe to log. A token is cut to 6 characters wherever it appears: after
