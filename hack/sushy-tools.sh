@@ -6,6 +6,12 @@ version="${SUSHY_TOOLS_VERSION:-2.2.0}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/target/tools/sushy"
 installed="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("sushy-tools"))' 2>/dev/null || true)"
+# A venv copied or moved from another checkout keeps that checkout's path in its scripts.
+if [ -e "$venv" ] && ! head -1 "$venv/bin/sushy-emulator" 2>/dev/null | grep -qxF "#!$venv/bin/python"; then
+  echo "sushy: $venv was made for another path; recreating it"
+  rm -rf "$venv"
+  installed=""
+fi
 if [ "$installed" = "$version" ] && [ -x "$venv/bin/sushy-emulator" ]; then
   echo "sushy: sushy-tools $version already installed in $venv"
   exit 0

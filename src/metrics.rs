@@ -32,6 +32,7 @@ pub struct Metrics {
     pub reconciles: Family<Labels, Counter>,
     pub reconcile_errors: Family<Labels, Counter>,
     pub reconcile_seconds: Family<Labels, Histogram>,
+    pub store_lag: Family<Labels, Counter>,
 }
 
 fn reconcile_histogram() -> Histogram {
@@ -84,6 +85,7 @@ pub fn metrics() -> &'static Metrics {
             reconciles: Family::default(),
             reconcile_errors: Family::default(),
             reconcile_seconds: Family::new_with_constructor(reconcile_histogram),
+            store_lag: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -162,6 +164,11 @@ pub fn metrics() -> &'static Metrics {
             "reconcile_seconds",
             "Duration of reconcile passes per controller",
             m.reconcile_seconds.clone(),
+        );
+        registry.register(
+            "controller_store_lag_checks",
+            "Questions to the apiserver about a store that had not shown a controller's own write past the TTL, and before a power action, by kind and answer (behind, current, unknown, fenced)",
+            m.store_lag.clone(),
         );
         Metrics { registry, ..m }
     })
@@ -255,6 +262,21 @@ pub fn http_refused(budget: &str) -> u64 {
     metrics()
         .http_refused
         .get_or_create(&labels(&[("budget", budget)]))
+        .get()
+}
+
+pub fn record_store_lag(kind: &str, answer: &str) {
+    metrics()
+        .store_lag
+        .get_or_create(&labels(&[("kind", kind), ("answer", answer)]))
+        .inc();
+}
+
+/// Store-lag checks of `kind` answered `answer` so far.
+pub fn store_lag(kind: &str, answer: &str) -> u64 {
+    metrics()
+        .store_lag
+        .get_or_create(&labels(&[("kind", kind), ("answer", answer)]))
         .get()
 }
 

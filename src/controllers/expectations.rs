@@ -3,23 +3,68 @@
 //! already called back got power-cycled with a new token (the boot Secret deleted, the ready
 //! status not yet seen). After each write the controller records the resourceVersion it
 //! replaced; until the store shows another version of that object (or none, after a delete),
-//! decisions about it wait. Entries expire after [`EXPECTATION_TTL`] so a lost watch event can
-//! delay a controller but never stall it.
+//! decisions about it wait.
+//!
+//! Waiting has no deadline of its own. After [`EXPECTATION_TTL`] without the store moving, the
+//! controller asks the apiserver once ([`store_reflects`]): if its copy is the store's, the write
+//! was superseded and the wait ends; if it is newer, the store really is behind and the wait goes
+//! on, asking again a TTL later. An apiserver starved for minutes (an N=1000 run sharing two
+//! cores with a compiler) used to end the wait blind after 30 s, and the next decision, made from
+//! a boot Secret without its callback, power-cycled 77 hosts that had already called back.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// How long an unmet expectation holds decisions back before it is dropped with a warning.
+use kube::api::Api;
+
+/// How long an unmet expectation waits for the store before the apiserver is asked.
 pub const EXPECTATION_TTL: Duration = Duration::from_secs(30);
 
+/// Entries nobody asked about for this long belong to objects that went away.
+const FORGET_AFTER: Duration = Duration::from_secs(600);
+
+/// Where the store stands against our last write to an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    /// The store shows our write, or something after it (or no write is pending).
+    Met,
+    /// Not yet, and the write is recent: wait without asking.
+    Waiting,
+    /// Not yet, for longer than the TTL: ask the apiserver which of the two is behind.
+    Overdue,
+}
+
+struct Pending {
+    /// The resourceVersion our write replaced (None for a create).
+    replaced: Option<String>,
+    /// When the write was made, or the apiserver last confirmed the store was behind it.
+    since: Instant,
+    /// Whether a lag past the TTL was already reported for this write.
+    reported: bool,
+}
+
 /// Expectations of one controller, keyed by `Kind/namespace/name`.
-#[derive(Default)]
 pub struct Expectations {
-    pending: Mutex<HashMap<String, (Option<String>, Instant)>>,
+    pending: Mutex<HashMap<String, Pending>>,
+    ttl: Duration,
+}
+
+impl Default for Expectations {
+    fn default() -> Self {
+        Expectations::with_ttl(EXPECTATION_TTL)
+    }
 }
 
 impl Expectations {
+    /// Expectations that ask the apiserver after `ttl` (tests use zero: every wait is overdue).
+    pub fn with_ttl(ttl: Duration) -> Self {
+        Expectations {
+            pending: Mutex::default(),
+            ttl,
+        }
+    }
+
     /// The object was written: `replaced` is the resourceVersion the write replaced (None for a
     /// create), `written` the one it produced (None for a delete). A write that changed nothing
     /// (same version) sets no expectation.
@@ -28,60 +73,118 @@ impl Expectations {
             return;
         }
         if let Ok(mut pending) = self.pending.lock() {
-            pending.insert(key, (replaced, Instant::now()));
+            pending.insert(
+                key,
+                Pending {
+                    replaced,
+                    since: Instant::now(),
+                    reported: false,
+                },
+            );
         }
     }
 
-    /// Whether the store's version of `key` (`seen`, None when absent) reflects our last write.
-    pub fn satisfied(&self, key: &str, seen: Option<&str>) -> bool {
+    /// Where the store's version of `key` (`seen`, None when absent) stands against our last
+    /// write. A met expectation is forgotten.
+    pub fn check(&self, key: &str, seen: Option<&str>) -> Seen {
         let Ok(mut pending) = self.pending.lock() else {
-            return true;
+            return Seen::Met;
         };
-        let Some((replaced, at)) = pending.get(key) else {
-            return true;
+        let Some(entry) = pending.get(key) else {
+            return Seen::Met;
         };
-        if still_pending(key, replaced.as_deref(), *at, seen) {
-            return false;
+        let state = state_of(entry, seen, self.ttl);
+        if state == Seen::Met {
+            pending.remove(key);
         }
-        pending.remove(key);
-        true
+        state
     }
 
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that the store does
-    /// not reflect yet; `seen(key)` gives the store's version. Only pending entries are looked
-    /// at, so this costs nothing per object in the store.
+    /// not reflect yet, with how long it has waited; `seen(key)` gives the store's version. Only
+    /// pending entries are looked at, so this costs nothing per object in the store. Overdue
+    /// entries are reported before waiting ones, so each gets its question to the apiserver.
     pub fn first_unmet(
         &self,
         prefix: &str,
         seen: impl Fn(&str) -> Option<String>,
-    ) -> Option<String> {
+    ) -> Option<(String, Seen)> {
         let Ok(mut pending) = self.pending.lock() else {
             return None;
         };
-        let mut unmet = None;
-        pending.retain(|key, (replaced, at)| {
+        let ttl = self.ttl;
+        let mut unmet: Option<(String, Seen)> = None;
+        pending.retain(|key, entry| {
             if !key.starts_with(prefix) {
                 return true;
             }
             // Every entry under the prefix is checked, so met ones are forgotten whatever the
-            // map's order; the first unmet one found is reported.
-            let pending = still_pending(key, replaced.as_deref(), *at, seen(key).as_deref());
-            if pending && unmet.is_none() {
-                unmet = Some(key.clone());
+            // map's order.
+            let state = state_of(entry, seen(key).as_deref(), ttl);
+            let better = match &unmet {
+                None => state != Seen::Met,
+                Some((_, found)) => *found == Seen::Waiting && state == Seen::Overdue,
+            };
+            if better {
+                unmet = Some((key.clone(), state));
             }
-            pending
+            state != Seen::Met
         });
         unmet
     }
 
-    /// Drops everything about `key` (the object is gone for good).
-    /// Drops entries past their TTL that nobody asked about again (their object went away).
+    /// The apiserver's answer about an overdue `key`: `live` is its resourceVersion (None when
+    /// the object is gone), `seen` the store's. The same version means the store is current
+    /// and our write was superseded (the wait ends, true); another means the store is behind
+    /// (the wait goes on for another TTL, reported once per write, false).
+    pub fn confirm(&self, key: &str, seen: Option<&str>, live: Option<&str>) -> bool {
+        let Ok(mut pending) = self.pending.lock() else {
+            return true;
+        };
+        if live == seen {
+            if pending.remove(key).is_some() {
+                tracing::debug!(
+                    object = key,
+                    "the apiserver agrees with the store; our write was superseded"
+                );
+                crate::metrics::record_store_lag(kind_of(key), "current");
+            }
+            return true;
+        }
+        if let Some(entry) = pending.get_mut(key) {
+            entry.since = Instant::now();
+            if !entry.reported {
+                entry.reported = true;
+                tracing::warn!(
+                    object = key,
+                    store = seen.unwrap_or("absent"),
+                    apiserver = live.unwrap_or("absent"),
+                    "the store is behind the apiserver past the TTL; waiting for it, not deciding from it"
+                );
+            }
+        }
+        crate::metrics::record_store_lag(kind_of(key), "behind");
+        false
+    }
+
+    /// The apiserver could not be asked about an overdue `key`: wait another TTL.
+    pub fn unconfirmed(&self, key: &str) {
+        if let Ok(mut pending) = self.pending.lock()
+            && let Some(entry) = pending.get_mut(key)
+        {
+            entry.since = Instant::now();
+        }
+        crate::metrics::record_store_lag(kind_of(key), "unknown");
+    }
+
+    /// Drops entries nobody asked about for long (their object went away).
     pub fn expire(&self) {
         if let Ok(mut pending) = self.pending.lock() {
-            pending.retain(|_, (_, at)| at.elapsed() < EXPECTATION_TTL);
+            pending.retain(|_, entry| entry.since.elapsed() < FORGET_AFTER.max(self.ttl));
         }
     }
 
+    /// Drops everything about `key` (the object is gone for good).
     pub fn forget(&self, key: &str) {
         if let Ok(mut pending) = self.pending.lock() {
             pending.remove(key);
@@ -97,19 +200,49 @@ impl Expectations {
     }
 }
 
-/// Whether a write that replaced `replaced` at `at` is still unseen by a store showing `seen`.
-fn still_pending(key: &str, replaced: Option<&str>, at: Instant, seen: Option<&str>) -> bool {
-    if replaced != seen {
-        return false;
+/// Whether a pending write is shown by a store showing `seen`.
+fn state_of(entry: &Pending, seen: Option<&str>, ttl: Duration) -> Seen {
+    if entry.replaced.as_deref() != seen {
+        Seen::Met
+    } else if entry.since.elapsed() >= ttl {
+        Seen::Overdue
+    } else {
+        Seen::Waiting
     }
-    if at.elapsed() >= EXPECTATION_TTL {
-        tracing::warn!(
-            object = key,
-            "the store never showed our write; deciding without it"
-        );
-        return false;
+}
+
+fn kind_of(key: &str) -> &str {
+    key.split('/').next().unwrap_or_default()
+}
+
+/// Whether the store's `seen` version of `name` (under `key`) reflects our last write. Within
+/// the TTL this only looks at the expectation; past it, it asks the apiserver for the object's
+/// metadata (one GET per object per TTL) and keeps waiting while the apiserver is ahead.
+pub async fn store_reflects<K>(
+    expectations: &Expectations,
+    api: &Api<K>,
+    key: &str,
+    name: &str,
+    seen: Option<&str>,
+) -> bool
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match expectations.check(key, seen) {
+        Seen::Met => true,
+        Seen::Waiting => false,
+        Seen::Overdue => match api.get_metadata_opt(name).await {
+            Ok(live) => {
+                let live = live.and_then(|m| m.metadata.resource_version);
+                expectations.confirm(key, seen, live.as_deref())
+            }
+            Err(e) => {
+                tracing::debug!(object = key, error = %e, "could not ask the apiserver about a lagging store");
+                expectations.unconfirmed(key);
+                false
+            }
+        },
     }
-    true
 }
 
 /// The key of an object for expectations and logs.
@@ -121,36 +254,35 @@ pub fn object_key(kind: &str, namespace: &str, name: &str) -> String {
 mod tests {
     use super::*;
 
+    fn met(e: &Expectations, key: &str, seen: Option<&str>) -> bool {
+        e.check(key, seen) == Seen::Met
+    }
+
     #[test]
     fn an_update_waits_until_the_store_moves_past_the_old_version() {
         let e = Expectations::default();
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
-        assert!(!e.satisfied("S/ns/a", Some("10")), "store still shows 10");
-        assert!(
-            e.satisfied("S/ns/a", Some("12")),
-            "any newer version will do"
+        assert_eq!(
+            e.check("S/ns/a", Some("10")),
+            Seen::Waiting,
+            "store still shows 10"
         );
-        assert!(
-            e.satisfied("S/ns/a", Some("10")),
-            "met expectations are gone"
-        );
+        assert!(met(&e, "S/ns/a", Some("12")), "any newer version will do");
+        assert!(met(&e, "S/ns/a", Some("10")), "met expectations are gone");
     }
 
     #[test]
     fn creates_and_deletes() {
         let e = Expectations::default();
         e.wrote("S/ns/new".into(), None, Some("5".into()));
-        assert!(
-            !e.satisfied("S/ns/new", None),
-            "created, store has not seen it"
-        );
-        assert!(e.satisfied("S/ns/new", Some("5")));
+        assert!(!met(&e, "S/ns/new", None), "created, store has not seen it");
+        assert!(met(&e, "S/ns/new", Some("5")));
         e.wrote("S/ns/old".into(), Some("7".into()), None);
         assert!(
-            !e.satisfied("S/ns/old", Some("7")),
+            !met(&e, "S/ns/old", Some("7")),
             "deleted, store still has it"
         );
-        assert!(e.satisfied("S/ns/old", None));
+        assert!(met(&e, "S/ns/old", None));
         assert!(e.is_empty());
     }
 
@@ -165,10 +297,13 @@ mod tests {
             "H/ns/b" => Some("5".to_string()),
             _ => None,
         };
-        assert_eq!(e.first_unmet("H/ns/", store), Some("H/ns/b".into()));
-        assert!(e.satisfied("H/ns/a", Some("1")), "a was met and forgotten");
+        assert_eq!(
+            e.first_unmet("H/ns/", store),
+            Some(("H/ns/b".into(), Seen::Waiting))
+        );
+        assert!(met(&e, "H/ns/a", Some("1")), "a was met and forgotten");
         assert!(
-            !e.satisfied("H/ns2/a", Some("9")),
+            !met(&e, "H/ns2/a", Some("9")),
             "another namespace is untouched"
         );
     }
@@ -177,7 +312,72 @@ mod tests {
     fn a_write_that_changed_nothing_expects_nothing() {
         let e = Expectations::default();
         e.wrote("S/ns/a".into(), Some("3".into()), Some("3".into()));
-        assert!(e.satisfied("S/ns/a", Some("3")));
+        assert!(met(&e, "S/ns/a", Some("3")));
         assert!(e.is_empty());
+    }
+
+    /// The rule the starvation run broke: past the TTL the wait does not end by itself. It ends
+    /// only when the apiserver shows the store's own version; while the apiserver is ahead, the
+    /// store is behind and the wait goes on.
+    #[test]
+    fn past_the_ttl_the_wait_ends_only_when_the_apiserver_agrees_with_the_store() {
+        let e = Expectations::with_ttl(Duration::ZERO);
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
+        // The apiserver has our write (11) or a later one (14): the store is behind.
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("11")));
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("14")));
+        assert_eq!(
+            e.check("S/ns/a", Some("10")),
+            Seen::Overdue,
+            "still waiting"
+        );
+        // Deleted since: the store still shows it, so it is behind too.
+        assert!(!e.confirm("S/ns/a", Some("10"), None));
+        // The apiserver shows 10 (our write was undone by a restore, say): decide from it.
+        assert!(e.confirm("S/ns/a", Some("10"), Some("10")));
+        assert!(e.is_empty());
+        // A create whose object is gone again, in the apiserver as in the store.
+        e.wrote("S/ns/b".into(), None, Some("3".into()));
+        assert_eq!(e.check("S/ns/b", None), Seen::Overdue);
+        assert!(e.confirm("S/ns/b", None, None));
+    }
+
+    #[test]
+    fn a_confirmed_lag_waits_a_whole_ttl_before_the_next_question() {
+        let mut e = Expectations::with_ttl(Duration::ZERO);
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
+        e.ttl = Duration::from_secs(3600);
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("11")));
+        assert_eq!(
+            e.check("S/ns/a", Some("10")),
+            Seen::Waiting,
+            "asked again only a TTL later"
+        );
+        e.unconfirmed("S/ns/a");
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Waiting);
+    }
+
+    #[test]
+    fn overdue_entries_are_found_before_waiting_ones() {
+        let e = Expectations::with_ttl(Duration::from_secs(60));
+        e.wrote("H/ns/a".into(), Some("1".into()), Some("2".into()));
+        e.wrote("H/ns/b".into(), Some("5".into()), Some("6".into()));
+        if let Ok(mut pending) = e.pending.lock()
+            && let Some(entry) = pending.get_mut("H/ns/b")
+        {
+            entry.since = Instant::now()
+                .checked_sub(Duration::from_secs(120))
+                .expect("the machine has been up for two minutes");
+        }
+        let store = |key: &str| match key {
+            "H/ns/a" => Some("1".to_string()),
+            _ => Some("5".to_string()),
+        };
+        assert_eq!(
+            e.first_unmet("H/ns/", store),
+            Some(("H/ns/b".into(), Seen::Overdue))
+        );
     }
 }

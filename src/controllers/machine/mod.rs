@@ -252,9 +252,16 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, 
 
 /// One pass: deletion is its own pipeline; otherwise observe → decide → act → status.
 async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
-    if !ctx
-        .expectations
-        .satisfied(&machine_key(&m), m.resource_version().as_deref())
+    let machines: Api<Machine> =
+        Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
+    if !super::expectations::store_reflects(
+        &ctx.expectations,
+        &machines,
+        &machine_key(&m),
+        &m.name_any(),
+        m.resource_version().as_deref(),
+    )
+    .await
     {
         return Ok(Action::requeue(Duration::from_millis(250)));
     }

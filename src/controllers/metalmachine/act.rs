@@ -73,6 +73,46 @@ where
     Ok(written)
 }
 
+/// A power action can be neither undone nor conditioned on a resourceVersion the way a write
+/// can. So before one, the boot Secret the decision was made from must still be the apiserver's
+/// (one GET of its metadata). A store that lags behind a starved apiserver shows an attempt that
+/// has since been powered or called back; acting on it would reset a host mid-boot or after its
+/// callback. A moved Secret becomes an expectation: the next passes wait for the store.
+async fn fence_power(
+    ctx: &MachineContext,
+    secrets: &Api<Secret>,
+    namespace: &str,
+    name: &str,
+    decided: Option<&str>,
+) -> Result<(), ActError> {
+    let live = secrets
+        .get_metadata_opt(name)
+        .await
+        .map_err(|source| {
+            ActError::Api(ReconcileError::Read {
+                what: format!("Secret {name} before a power action"),
+                source,
+            })
+        })?
+        .and_then(|m| m.metadata.resource_version);
+    if live.as_deref() == decided {
+        return Ok(());
+    }
+    let key = object_key("Secret", namespace, name);
+    crate::metrics::record_store_lag("Secret", "fenced");
+    tracing::info!(
+        object = %key,
+        store = decided.unwrap_or("absent"),
+        apiserver = live.as_deref().unwrap_or("absent"),
+        "the boot Secret moved on since the store's copy; no power action from it"
+    );
+    ctx.expectations
+        .wrote(key, decided.map(str::to_string), live);
+    Err(ActError::Conflict(format!(
+        "Secret {name} changed since the decision"
+    )))
+}
+
 fn host_named<'a>(o: &'a Observed, name: &str) -> Result<&'a MetalHost, ActError> {
     o.hosts
         .iter()
@@ -170,6 +210,14 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 return Err(ActError::Conflict("boot Secret gone".into()));
             };
             let target = host_named(o, host)?;
+            fence_power(
+                ctx,
+                &secrets,
+                &namespace,
+                &boot_name,
+                record.resource_version.as_deref(),
+            )
+            .await?;
             let bmc = bmc_for(ctx, target).await.map_err(ActError::Fault)?;
             bmc.set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
                 .await
@@ -340,6 +388,14 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 return Err(ActError::Conflict("boot Secret gone".into()));
             };
             let target = host_named(o, host)?;
+            fence_power(
+                ctx,
+                &secrets,
+                &namespace,
+                &boot_name,
+                record.resource_version.as_deref(),
+            )
+            .await?;
             let bmc = bmc_for(ctx, target).await.map_err(ActError::Fault)?;
             bmc.set_boot_once(BootDevice::Hdd, target.spec.boot_mode)
                 .await

@@ -135,7 +135,9 @@ async fn reconcile(
     super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await
 }
 
-async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
+/// One pass: observe → decide → act → status. Public so a test can drive it over stores it holds
+/// back, as a lagging watch would.
+pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
     let observed = match observe::observe(ctx, mm.clone()).await {
         Observation::Ready(o) => o,
         Observation::Stale(what) => {

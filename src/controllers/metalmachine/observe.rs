@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
+use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 
 use crate::api::metalhost::PowerState;
@@ -15,7 +17,7 @@ use crate::api::{
 };
 use crate::bmc::PowerAction;
 use crate::boot::tokens::{self, BootRecord};
-use crate::controllers::expectations::object_key;
+use crate::controllers::expectations::{object_key, store_reflects};
 use crate::controllers::power::Fault;
 
 use super::{FINALIZER, MachineContext, claim, machine_owner};
@@ -74,9 +76,15 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
     let namespace = mm.namespace().unwrap_or_default();
     let name = mm.name_any();
     let mm_key = object_key("MetalMachine", &namespace, &name);
-    if !ctx
-        .expectations
-        .satisfied(&mm_key, mm.resource_version().as_deref())
+    let metal_machines: Api<MetalMachine> = Api::namespaced(ctx.client.clone(), &namespace);
+    if !store_reflects(
+        &ctx.expectations,
+        &metal_machines,
+        &mm_key,
+        &name,
+        mm.resource_version().as_deref(),
+    )
+    .await
     {
         return Observation::Stale(mm_key);
     }
@@ -131,27 +139,40 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
         .collect();
     let host_prefix = object_key("MetalHost", &namespace, "");
-    if let Some(key) = ctx.expectations.first_unmet(&host_prefix, |key| {
+    let host_version = |key: &str| {
         let host = key.strip_prefix(&host_prefix).unwrap_or_default();
         stores
             .hosts
             .get(&ObjectRef::new(host).within(&namespace))
             .and_then(|h| h.resource_version())
-    }) {
-        return Observation::Stale(key);
+    };
+    let host_api: Api<MetalHost> = Api::namespaced(ctx.client.clone(), &namespace);
+    // Each pass ends an entry (met, or confirmed by the apiserver) or returns, so this ends.
+    while let Some((key, _)) = ctx.expectations.first_unmet(&host_prefix, host_version) {
+        let host = key.strip_prefix(&host_prefix).unwrap_or_default();
+        let seen = host_version(&key);
+        if !store_reflects(&ctx.expectations, &host_api, &key, host, seen.as_deref()).await {
+            return Observation::Stale(key);
+        }
     }
     let secret_name = tokens::boot_secret_name(&name);
     let secret = stores
         .boot_secrets
         .get(&ObjectRef::new(&secret_name).within(&namespace));
     let secret_key = object_key("Secret", &namespace, &secret_name);
-    if !ctx.expectations.satisfied(
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    if !store_reflects(
+        &ctx.expectations,
+        &secrets,
         &secret_key,
+        &secret_name,
         secret
             .as_ref()
             .and_then(|s| s.resource_version())
             .as_deref(),
-    ) {
+    )
+    .await
+    {
         return Observation::Stale(secret_key);
     }
     let boot = match secret {
