@@ -40,7 +40,8 @@ type Verbs = BTreeMap<String, f64>;
 /// Per Machine: when its MetalMachine was first seen ready, and the Machine Provisioned/Running.
 type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
 
-/// `apiserver_request_total` summed by verb.
+/// `apiserver_request_total` summed by verb, GETs also by resource (where they come from is
+/// what tells which store a controller should read instead).
 async fn apiserver_requests(client: &kube::Client) -> Verbs {
     let req = match http::Request::get("/metrics").body(Vec::new()) {
         Ok(r) => r,
@@ -60,6 +61,16 @@ async fn apiserver_requests(client: &kube::Client) -> Verbs {
             .find_map(|kv| kv.strip_prefix("verb=\""))
             .map(|v| v.trim_end_matches('"').to_string())
             .unwrap_or_default();
+        let verb = if verb == "GET" {
+            let resource = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("resource=\""))
+                .map(|v| v.trim_end_matches('"'))
+                .unwrap_or_default();
+            format!("GET {resource}")
+        } else {
+            verb
+        };
         *verbs.entry(verb).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
     }
     verbs
