@@ -321,6 +321,7 @@ pub async fn start(
             }));
         }
     }
+    let shared_clusters = reflectors.as_ref().map(|r| r.stores().clusters);
     if let Some(reflectors) = reflectors {
         reflectors.run(client.clone(), namespace);
     }
@@ -340,16 +341,18 @@ pub async fn start(
         )));
     }
     if opts.controllers.bootstrap {
+        let (controller, secrets) = cloudinitconfig::controller(client.clone(), namespace);
         let config_ctx = Arc::new(cloudinitconfig::ConfigContext {
             client: client.clone(),
             events: Events::new(client.clone(), "metalboot-cloudinitconfig"),
             backoff: Backoff::default(),
             watch_filter: watch_filter.clone(),
+            secrets,
+            clusters: shared_clusters,
         });
-        running.tasks.push(tokio::spawn(cloudinitconfig::run(
-            cloudinitconfig::controller(client.clone(), namespace),
-            config_ctx,
-        )));
+        running
+            .tasks
+            .push(tokio::spawn(cloudinitconfig::run(controller, config_ctx)));
     }
     tracing::info!(
         namespace = namespace.unwrap_or("<all>"),

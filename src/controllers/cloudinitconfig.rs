@@ -10,8 +10,10 @@ use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ObjectMeta, PostParams};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
@@ -142,6 +144,10 @@ pub struct ConfigContext {
     pub events: Events,
     pub backoff: Backoff,
     pub watch_filter: Option<String>,
+    /// The bootstrap Secrets, from this controller's own watch of them (see [`controller`]).
+    pub secrets: Store<Secret>,
+    /// The manager's shared Cluster store, when it runs one (not in bootstrap-only mode).
+    pub clusters: Option<Store<DeserializeGuard<Cluster>>>,
 }
 
 fn machine_owner(cfg: &CloudInitConfig) -> Option<String> {
@@ -179,8 +185,17 @@ async fn reconcile(
             .map(|m| m.spec.cluster_name)
             .unwrap_or_default(),
     };
+    // From the stores where they hold the object; a miss (not there yet, or no store) is
+    // confirmed by a GET. At 1,000 Machines these two GETs per pass were 14,000 requests.
+    let cached_cluster = ctx
+        .clusters
+        .as_ref()
+        .and_then(|clusters| clusters.get(&ObjectRef::new(&cluster_name).within(&ns)))
+        .and_then(|guarded| guarded.0.as_ref().ok().cloned());
     let cluster = if cluster_name.is_empty() {
         None
+    } else if cached_cluster.is_some() {
+        cached_cluster
     } else {
         Api::<Cluster>::namespaced(ctx.client.clone(), &ns)
             .get_opt(&cluster_name)
@@ -198,12 +213,16 @@ async fn reconcile(
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let now = conditions::now();
     let mut status = status;
-    if secrets
-        .get_opt(&name)
-        .await
-        .map_err(ReconcileError::read(format!("Secret {name}")))?
-        .is_none()
-    {
+    let written = ctx
+        .secrets
+        .get(&ObjectRef::new(&name).within(&ns))
+        .is_some()
+        || secrets
+            .get_opt(&name)
+            .await
+            .map_err(ReconcileError::read(format!("Secret {name}")))?
+            .is_some();
+    if !written {
         let mut resolved = BTreeMap::new();
         let mut problem = None;
         for (i, f) in cfg.spec.files.iter().enumerate() {
@@ -327,7 +346,11 @@ fn error_policy(
         .after_failure("CloudInitConfig", &key(cfg.as_ref()), error)
 }
 
-pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<CloudInitConfig> {
+/// The controller, and the store of the bootstrap Secrets its watch of them keeps.
+pub fn controller(
+    client: kube::Client,
+    namespace: Option<&str>,
+) -> (Controller<CloudInitConfig>, Store<Secret>) {
     let (configs, secrets): (Api<CloudInitConfig>, Api<Secret>) = match namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -335,10 +358,21 @@ pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<C
         ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    // A deleted bootstrap Secret is recreated under the same name.
-    Controller::new(configs, watcher::Config::default()).owns(
-        secrets,
-        watcher::Config::default().labels(CLUSTER_NAME_LABEL),
+    // A deleted bootstrap Secret is recreated under the same name. The store is updated before
+    // the event wakes the config, so the pass it wakes sees the Secret.
+    let (store, writer) = reflector::store();
+    let owned = reflector(
+        writer,
+        watcher(
+            secrets,
+            watcher::Config::default().labels(CLUSTER_NAME_LABEL),
+        )
+        .default_backoff(),
+    )
+    .touched_objects();
+    (
+        Controller::new(configs, watcher::Config::default()).owns_stream(owned),
+        store,
     )
 }
 

@@ -60,19 +60,27 @@ async fn adopt(
         }}),
         obj.resource_version().as_deref(),
     );
-    let api = refs::api_for(&ctx.client, &m.namespace().unwrap_or_default(), r).await?;
-    api.patch(
-        &obj.name_any(),
-        &merge_params(FIELD_MANAGER),
-        &Patch::Merge(&patch),
-    )
-    .await
-    .map(|_| ())
-    .map_err(ReconcileError::write(format!(
-        "owner reference on {} {}",
-        r.kind,
-        obj.name_any()
-    )))
+    let namespace = m.namespace().unwrap_or_default();
+    let api = refs::api_for(&ctx.client, &namespace, r).await?;
+    let written = api
+        .patch(
+            &obj.name_any(),
+            &merge_params(FIELD_MANAGER),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(ReconcileError::write(format!(
+            "owner reference on {} {}",
+            r.kind,
+            obj.name_any()
+        )))?;
+    // The next pass reads the object from its kind's watch: not before it shows this write.
+    ctx.expectations.wrote(
+        crate::controllers::expectations::object_key(&r.kind, &namespace, &obj.name_any()),
+        obj.resource_version(),
+        written.resource_version(),
+    );
+    Ok(())
 }
 
 pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(), ReconcileError> {

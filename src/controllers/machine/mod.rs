@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::api::capi::MachineStatus;
-use crate::api::{CloudInitConfig, Cluster, Machine, MetalMachine};
+use crate::api::{Cluster, Machine, MetalMachine};
 
 use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
 pub use workloads::Workloads;
@@ -56,8 +56,16 @@ const RESYNC: Duration = Duration::from_secs(600);
 /// workload-cluster Nodes matched by providerID.
 pub struct Triggers {
     tx: mpsc::UnboundedSender<ObjectRef<Machine>>,
-    kinds: Mutex<HashMap<(String, String), JoinHandle<()>>>,
+    kinds: Mutex<HashMap<(String, String), WatchedKind>>,
     by_provider_id: Mutex<HashMap<String, ObjectRef<Machine>>>,
+}
+
+/// A kind watched on demand: the watch's task, and the store it keeps, which serves the
+/// referenced objects of that kind instead of a GET per pass.
+struct WatchedKind {
+    task: JoinHandle<()>,
+    store: Store<DynamicObject>,
+    resource: ApiResource,
 }
 
 impl Triggers {
@@ -78,21 +86,15 @@ impl Triggers {
 
     /// Starts watching a referenced kind once (kinds the controller owns are watched already).
     pub fn watch_kind(&self, client: &kube::Client, ar: &ApiResource, namespace: Option<&str>) {
-        let owned = [
-            (MetalMachine::group(&()), MetalMachine::kind(&())),
-            (CloudInitConfig::group(&()), CloudInitConfig::kind(&())),
-        ];
-        if owned
-            .iter()
-            .any(|(g, k)| *g == ar.group.as_str() && *k == ar.kind.as_str())
-        {
+        // MetalMachines come from the manager's shared stream (see `controller`).
+        if ar.group == MetalMachine::group(&()) && ar.kind == MetalMachine::kind(&()) {
             return;
         }
         let Ok(mut kinds) = self.kinds.lock() else {
             return;
         };
         let key = (ar.group.clone(), ar.kind.clone());
-        if kinds.get(&key).is_some_and(|t| !t.is_finished()) {
+        if kinds.get(&key).is_some_and(|k| !k.task.is_finished()) {
             return;
         }
         let api: Api<DynamicObject> = match namespace {
@@ -101,10 +103,16 @@ impl Triggers {
         };
         let tx = self.tx.clone();
         tracing::info!(kind = %ar.kind, group = %ar.group, "watching a referenced kind");
+        let writer = kube::runtime::reflector::store::Writer::new(ar.clone());
+        let store = writer.as_reader();
         let task = tokio::spawn(async move {
-            let events = watcher(api, watcher::Config::default())
-                .default_backoff()
-                .touched_objects();
+            // The store is updated before the event wakes the Machine, so the pass it wakes
+            // reads what woke it.
+            let events = kube::runtime::reflector(
+                writer,
+                watcher(api, watcher::Config::default()).default_backoff(),
+            )
+            .touched_objects();
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
                 let Ok(obj) = event else { continue };
@@ -117,7 +125,32 @@ impl Triggers {
                 }
             }
         });
-        kinds.insert(key, task);
+        kinds.insert(
+            key,
+            WatchedKind {
+                task,
+                store,
+                resource: ar.clone(),
+            },
+        );
+    }
+
+    /// A referenced object from the watch of its kind, if that watch has listed and holds it.
+    /// None otherwise (not watched yet, not listed yet, or absent): the caller then reads it.
+    pub fn cached(
+        &self,
+        group: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Option<DynamicObject> {
+        let kinds = self.kinds.lock().ok()?;
+        let watched = kinds.get(&(group.to_string(), kind.to_string()))?;
+        futures::FutureExt::now_or_never(watched.store.wait_until_ready())?.ok()?;
+        watched
+            .store
+            .get(&ObjectRef::new_with(name, watched.resource.clone()).within(namespace))
+            .map(|obj| obj.as_ref().clone())
     }
 
     /// Kinds watched on demand (tests check this stays one per kind).
@@ -157,8 +190,8 @@ impl Triggers {
 impl Drop for Triggers {
     fn drop(&mut self) {
         if let Ok(kinds) = self.kinds.lock() {
-            for task in kinds.values() {
-                task.abort();
+            for kind in kinds.values() {
+                kind.task.abort();
             }
         }
     }
@@ -204,7 +237,8 @@ impl MachineContext {
                     .get(&ObjectRef::new(&r.name).within(namespace)),
             )
         } else {
-            None
+            self.triggers
+                .cached(&r.api_group, &r.kind, namespace, &r.name)
         }
     }
 }
@@ -329,10 +363,6 @@ pub fn controller(
                 .map(|o| ObjectRef::new(&o.name).within(&namespace))
                 .collect::<Vec<_>>()
         })
-        .owns(
-            api::<CloudInitConfig>(&client, namespace),
-            watcher::Config::default(),
-        )
         .watches_shared_stream(clusters, move |cluster| {
             let namespace = cluster.meta().namespace.clone();
             let name = cluster.meta().name.clone().unwrap_or_default();

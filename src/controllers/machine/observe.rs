@@ -75,7 +75,14 @@ pub async fn referenced(
     let resource = refs::resource_for(&ctx.client, r).await?;
     ctx.triggers
         .watch_kind(&ctx.client, &resource, ctx.namespace.as_deref());
-    let obj = match ctx.cached_reference(r, &namespace) {
+    // A cached copy older than our own last write to it (adoption) is not used.
+    let key = crate::controllers::expectations::object_key(&r.kind, &namespace, &r.name);
+    let cached = ctx.cached_reference(r, &namespace).filter(|obj| {
+        ctx.expectations
+            .check(&key, obj.resource_version().as_deref())
+            == crate::controllers::expectations::Seen::Met
+    });
+    let obj = match cached {
         Some(obj) => Some(obj),
         // Not cached (another provider's kind, or not seen yet): a miss is confirmed by a GET.
         None => kube::api::Api::<DynamicObject>::namespaced_with(
