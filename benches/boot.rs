@@ -94,6 +94,7 @@ async fn main() {
         bin_dir: controlplane::default_bin_dir(),
         data_dir: work.path().join("cp"),
         lifetime: Lifetime::TiedToThisProcess,
+        join_ready: false,
     })
     .await
     .expect("control plane (run hack/control-plane/build.sh)");

@@ -197,6 +197,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         bin_dir: controlplane::default_bin_dir(),
         data_dir: dir.join("control-plane"),
         lifetime: Lifetime::TiedToThisProcess,
+        join_ready: false,
     })
     .await
     .map_err(|e| e.to_string())?;

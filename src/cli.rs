@@ -504,6 +504,7 @@ async fn start_detached(dirs: &ControlPlaneDirs) -> Result<ControlPlane, String>
         bin_dir: dirs.bin_dir.clone(),
         data_dir: dirs.dir.clone(),
         lifetime: Lifetime::Detached,
+        join_ready: false,
     })
     .await
     .map_err(|e| e.to_string())

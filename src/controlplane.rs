@@ -1,8 +1,12 @@
 //! The local Kubernetes control plane: etcd and kube-apiserver, built from source by
 //! `hack/control-plane/build.sh`, started on free loopback ports with a generated CA and a
 //! client-certificate admin (group `system:masters`). The test suite, `metalboot control-plane`
-//! and the lab use it. Like upstream envtest it runs no controller-manager, so there is no
-//! garbage collector and no namespace finalization. It is not a production installer.
+//! and the lab use it. Like upstream envtest it runs no controller-manager by default, so there is
+//! no garbage collector and no namespace finalization. A *join-ready* control plane
+//! ([`Options::join_ready`]) adds what `kubeadm join` needs from a cluster: bootstrap-token
+//! authentication, the Node authorizer and NodeRestriction, and kube-controller-manager with the
+//! cluster CA's key (kubelet CSR approval and signing, the bootstrap-token signer and cleaner).
+//! It is not a production installer.
 
 use std::fs;
 use std::io::{self, BufRead};
@@ -96,6 +100,8 @@ pub struct Options {
     pub bin_dir: PathBuf,
     pub data_dir: PathBuf,
     pub lifetime: Lifetime,
+    /// Also run kube-controller-manager and accept bootstrap tokens, for kubeadm join.
+    pub join_ready: bool,
 }
 
 /// A running control plane. Dropping it stops processes it owns (not detached ones).
@@ -140,7 +146,12 @@ impl ControlPlane {
     pub async fn start(opts: &Options) -> Result<Self, ControlPlaneError> {
         let etcd_bin = opts.bin_dir.join("etcd");
         let apiserver_bin = opts.bin_dir.join("kube-apiserver");
-        for bin in [&etcd_bin, &apiserver_bin] {
+        let kcm_bin = opts.bin_dir.join("kube-controller-manager");
+        let mut needed = vec![&etcd_bin, &apiserver_bin];
+        if opts.join_ready {
+            needed.push(&kcm_bin);
+        }
+        for bin in needed {
             if !bin.is_file() {
                 return Err(ControlPlaneError::MissingBinary(bin.clone()));
             }
@@ -215,7 +226,6 @@ impl ControlPlane {
             .arg("--advertise-address=127.0.0.1")
             .arg("--service-cluster-ip-range=10.0.0.0/24")
             .arg("--allow-privileged=true")
-            .arg("--authorization-mode=RBAC")
             // No controller-manager creates ServiceAccounts, so pods in tests would be rejected.
             .arg("--disable-admission-plugins=ServiceAccount")
             .arg(format!("--client-ca-file={}", ca_path.display()))
@@ -237,12 +247,60 @@ impl ControlPlane {
             .arg("--audit-log-maxsize=100")
             .arg("--audit-log-maxbackup=1")
             .arg("--v=1");
+        if opts.join_ready {
+            // As kubeadm configures its control planes: kubelets bootstrap with a token, then
+            // act as system:node:<name> within what the Node authorizer and NodeRestriction allow.
+            api.arg("--authorization-mode=Node,RBAC")
+                .arg("--enable-bootstrap-token-auth=true")
+                .arg("--enable-admission-plugins=NodeRestriction");
+        } else {
+            api.arg("--authorization-mode=RBAC");
+        }
         children.push(spawn("kube-apiserver", api, &api_log, opts.lifetime)?);
+        let mut names = vec!["etcd", "kube-apiserver"];
+
+        if opts.join_ready {
+            let ca_key_path = write("ca.key", &ca.key_pem())?;
+            let identity = ca.issue_client("system:kube-controller-manager", &[])?;
+            let kcm_kubeconfig = admin_kubeconfig(&server, &ca.cert_pem(), &identity)?;
+            let kcm_kubeconfig_path = dir.join("kube-controller-manager.kubeconfig");
+            let yaml = serde_yaml::to_string(&kcm_kubeconfig)
+                .map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))?;
+            fs::write(&kcm_kubeconfig_path, yaml)
+                .map_err(io_err("writing", &kcm_kubeconfig_path))?;
+            let kcm_log = dir.join("kube-controller-manager.log");
+            let mut kcm = Command::new(&kcm_bin);
+            kcm.arg(format!("--kubeconfig={}", kcm_kubeconfig_path.display()))
+                // Everything on by default, plus the two bootstrap-token controllers kubeadm adds.
+                .arg("--controllers=*,bootstrapsigner,tokencleaner")
+                .arg(format!("--cluster-signing-cert-file={}", ca_path.display()))
+                .arg(format!(
+                    "--cluster-signing-key-file={}",
+                    ca_key_path.display()
+                ))
+                .arg(format!("--root-ca-file={}", ca_path.display()))
+                .arg(format!(
+                    "--service-account-private-key-file={}",
+                    sa_path.display()
+                ))
+                .arg("--use-service-account-credentials=true")
+                .arg("--leader-elect=false")
+                // Nothing scrapes it here: no port to find or to secure.
+                .arg("--secure-port=0")
+                .arg("--v=1");
+            children.push(spawn(
+                "kube-controller-manager",
+                kcm,
+                &kcm_log,
+                opts.lifetime,
+            )?);
+            names.push("kube-controller-manager");
+        }
 
         if opts.lifetime == Lifetime::Detached {
             let pids: String = children
                 .iter()
-                .zip(["etcd", "kube-apiserver"])
+                .zip(names)
                 .map(|(c, name)| format!("{name} {}\n", c.id()))
                 .collect();
             let path = dir.join(PIDS_FILE);

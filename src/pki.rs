@@ -49,6 +49,12 @@ impl Ca {
         self.issuer.pem()
     }
 
+    /// The CA's private key, for a signer that must issue certificates itself
+    /// (kube-controller-manager signing kubelet CSRs).
+    pub fn key_pem(&self) -> String {
+        self.issuer.key().serialize_pem()
+    }
+
     /// A TLS server certificate valid for `dns_names` and `ips`.
     pub fn issue_server(
         &self,

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, etcd and kubectl from the pinned Go module into target/control-plane/bin/.
+# Builds kube-apiserver, kube-controller-manager, kubeadm, etcd and kubectl from the pinned Go
+# module into target/control-plane/bin/. kube-controller-manager and kubeadm serve the lab's
+# join-ready control plane (bootstrap tokens, cluster-info, CSR signing) for kubeadm join.
 # Skips the build when the binaries there were built from the same pin (go.mod + go.sum hash).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -12,12 +14,13 @@ stamp="$bin/.pin"
 command -v go >/dev/null || { echo "build.sh: Go is required to build the control plane (apt-get install golang-go, or a Go toolchain >= 1.26)" >&2; exit 1; }
 want="$KUBERNETES_VERSION $(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && [ -x "$bin/kube-apiserver" ] && [ -x "$bin/etcd" ] && [ -x "$bin/kubectl" ]; then
+   && [ -x "$bin/kube-apiserver" ] && [ -x "$bin/etcd" ] && [ -x "$bin/kubectl" ] \
+   && [ -x "$bin/kube-controller-manager" ] && [ -x "$bin/kubeadm" ]; then
   echo "control plane: reusing cached build of Kubernetes $KUBERNETES_VERSION in $bin"
   exit 0
 fi
 
-echo "control plane: building Kubernetes $KUBERNETES_VERSION (kube-apiserver, etcd, kubectl) from the Go module proxy; a cold build takes several minutes"
+echo "control plane: building Kubernetes $KUBERNETES_VERSION (kube-apiserver, kube-controller-manager, kubeadm, etcd, kubectl) from the Go module proxy; a cold build takes several minutes"
 mkdir -p "$bin"
 cd "$here"
 minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
@@ -30,6 +33,8 @@ start=$(date +%s)
 export CGO_ENABLED=0 GOFLAGS=-mod=mod
 go build -trimpath -ldflags "$ldflags" -o "$bin/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
 go build -trimpath -ldflags "$ldflags" -o "$bin/kubectl" k8s.io/kubernetes/cmd/kubectl
+go build -trimpath -ldflags "$ldflags" -o "$bin/kube-controller-manager" k8s.io/kubernetes/cmd/kube-controller-manager
+go build -trimpath -ldflags "$ldflags" -o "$bin/kubeadm" k8s.io/kubernetes/cmd/kubeadm
 go build -trimpath -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=${etcd_version}" -o "$bin/etcd" go.etcd.io/etcd/server/v3
 echo "$want" > "$stamp"
 echo "control plane: built Kubernetes $KUBERNETES_VERSION and etcd $etcd_version in $(( $(date +%s) - start ))s"

@@ -218,6 +218,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         bin_dir: controlplane::default_bin_dir(),
         data_dir: dir.join("control-plane"),
         lifetime: Lifetime::TiedToThisProcess,
+        join_ready: false,
     })
     .await?;
     let client = cp.client().await?;

@@ -48,6 +48,7 @@ pub async fn private_control_plane(name: &str) -> ControlPlane {
         bin_dir: controlplane::default_bin_dir(),
         data_dir,
         lifetime: Lifetime::TiedToThisProcess,
+        join_ready: false,
     })
     .await
     .unwrap_or_else(|e| panic!("private control plane {name}: {e}"))

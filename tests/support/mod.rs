@@ -40,6 +40,7 @@ pub fn control_plane() -> &'static SharedControlPlane {
             bin_dir: controlplane::default_bin_dir(),
             data_dir: data_dir.clone(),
             lifetime: Lifetime::TiedToThisProcess,
+            join_ready: false,
         };
         // Started on its own runtime: the caller may be inside another test's runtime.
         let started = std::thread::spawn(move || {
