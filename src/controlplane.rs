@@ -260,7 +260,20 @@ impl ControlPlane {
         let mut names = vec!["etcd", "kube-apiserver"];
 
         if opts.join_ready {
-            let ca_key_path = write("ca.key", &ca.key_pem())?;
+            // The cluster CA's key, readable by this user only (created so, never widened).
+            let ca_key_path = pki_dir.join("ca.key");
+            {
+                use std::io::Write;
+                use std::os::unix::fs::OpenOptionsExt;
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&ca_key_path)
+                    .and_then(|mut f| f.write_all(ca.key_pem().as_bytes()))
+                    .map_err(io_err("writing", &ca_key_path))?;
+            }
             let identity = ca.issue_client("system:kube-controller-manager", &[])?;
             let kcm_kubeconfig = admin_kubeconfig(&server, &ca.cert_pem(), &identity)?;
             let kcm_kubeconfig_path = dir.join("kube-controller-manager.kubeconfig");

@@ -327,6 +327,17 @@ pub async fn start(
     }
     if let Some((controller, ctx)) = standalone_machines {
         // Upstream Cluster API's jobs, for clusters without it: Machines and Cluster status.
+        // Its expectations of deleted objects are dropped by a sweep of their own.
+        let expiring = ctx.clone();
+        let interval = opts.janitor_interval.max(Duration::from_millis(100));
+        running.helpers.push(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                expiring.expectations.expire();
+            }
+        }));
         running
             .tasks
             .push(tokio::spawn(machine::run(controller, ctx)));

@@ -1051,12 +1051,25 @@ async fn a_paused_cluster_holds_machine_deletion() {
         }
     };
     pause(true).await;
+    // The manager has seen the pause (its Cluster store is a watch, not a read of the write
+    // above): only then is the deletion's answer to a paused Cluster what is tested.
+    eventually("the Machine shows its Cluster paused", 30, || async {
+        let m = env.machines.get("m6").await.ok()?;
+        m.status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Paused" && c.status == "True")
+    })
+    .await;
     env.machines
         .delete("m6", &DeleteParams::default())
         .await
         .expect("delete Machine");
+    // The Paused condition was already there; the deletion's own answer says it waits.
     let (_, message) = eventually("the deleting Machine shows Paused", 30, || async {
-        env.condition("m6", "Paused").await
+        env.condition("m6", "Paused")
+            .await
+            .filter(|(_, message)| message.contains("deletion waits"))
     })
     .await;
     assert!(message.contains("deletion waits"), "{message}");

@@ -11,6 +11,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::core::DeserializeGuard;
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
@@ -144,8 +145,9 @@ pub struct ConfigContext {
     pub events: Events,
     pub backoff: Backoff,
     pub watch_filter: Option<String>,
-    /// The bootstrap Secrets, from this controller's own watch of them (see [`controller`]).
-    pub secrets: Store<Secret>,
+    /// Which bootstrap Secrets exist: the metadata of this controller's own watch of them (see
+    /// [`controller`]); their data is never held.
+    pub secrets: Store<PartialObjectMeta<Secret>>,
     /// The manager's shared Cluster store, when it runs one (not in bootstrap-only mode).
     pub clusters: Option<Store<DeserializeGuard<Cluster>>>,
 }
@@ -346,20 +348,26 @@ fn error_policy(
         .after_failure("CloudInitConfig", &key(cfg.as_ref()), error)
 }
 
-/// The controller, and the store of the bootstrap Secrets its watch of them keeps.
+/// The controller, and the store of the bootstrap Secrets' metadata its watch of them keeps.
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
-) -> (Controller<CloudInitConfig>, Store<Secret>) {
-    let (configs, secrets): (Api<CloudInitConfig>, Api<Secret>) = match namespace {
+) -> (
+    Controller<CloudInitConfig>,
+    Store<PartialObjectMeta<Secret>>,
+) {
+    let (configs, secrets): (Api<CloudInitConfig>, Api<PartialObjectMeta<Secret>>) = match namespace
+    {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
             Api::namespaced(client.clone(), ns),
         ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    // A deleted bootstrap Secret is recreated under the same name. The store is updated before
-    // the event wakes the config, so the pass it wakes sees the Secret.
+    // A deleted bootstrap Secret is recreated under the same name. Only metadata is watched:
+    // the store answers "does it exist", and the Secrets' data (kubeconfigs, keys) stays out of
+    // this process. A miss in the store is confirmed by a GET, so a store that lags (a re-list
+    // reaches it only at its end) costs a read, never a wrong create.
     let (store, writer) = reflector::store();
     let owned = reflector(
         writer,

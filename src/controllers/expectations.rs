@@ -38,8 +38,9 @@ pub enum Seen {
 struct Pending {
     /// The resourceVersion our write replaced (None for a create).
     replaced: Option<String>,
-    /// When the write was made, or the apiserver last confirmed the store was behind it.
-    since: Instant,
+    /// When the apiserver is to be asked: a TTL after the write, or after its last answer that
+    /// the store was behind.
+    due: Instant,
     /// Whether a lag past the TTL was already reported for this write.
     reported: bool,
 }
@@ -77,7 +78,7 @@ impl Expectations {
                 key,
                 Pending {
                     replaced,
-                    since: Instant::now(),
+                    due: self.due(),
                     reported: false,
                 },
             );
@@ -93,7 +94,7 @@ impl Expectations {
         let Some(entry) = pending.get(key) else {
             return Seen::Met;
         };
-        let state = state_of(entry, seen, self.ttl);
+        let state = state_of(entry, seen);
         if state == Seen::Met {
             pending.remove(key);
         }
@@ -112,7 +113,6 @@ impl Expectations {
         let Ok(mut pending) = self.pending.lock() else {
             return None;
         };
-        let ttl = self.ttl;
         let mut unmet: Option<(String, Seen)> = None;
         pending.retain(|key, entry| {
             if !key.starts_with(prefix) {
@@ -120,7 +120,7 @@ impl Expectations {
             }
             // Every entry under the prefix is checked, so met ones are forgotten whatever the
             // map's order.
-            let state = state_of(entry, seen(key).as_deref(), ttl);
+            let state = state_of(entry, seen(key).as_deref());
             let better = match &unmet {
                 None => state != Seen::Met,
                 Some((_, found)) => *found == Seen::Waiting && state == Seen::Overdue,
@@ -152,7 +152,7 @@ impl Expectations {
             return true;
         }
         if let Some(entry) = pending.get_mut(key) {
-            entry.since = Instant::now();
+            entry.due = self.due();
             if !entry.reported {
                 entry.reported = true;
                 tracing::warn!(
@@ -172,7 +172,7 @@ impl Expectations {
         if let Ok(mut pending) = self.pending.lock()
             && let Some(entry) = pending.get_mut(key)
         {
-            entry.since = Instant::now();
+            entry.due = self.due();
         }
         crate::metrics::record_store_lag(kind_of(key), "unknown");
     }
@@ -180,7 +180,13 @@ impl Expectations {
     /// Drops entries nobody asked about for long (their object went away).
     pub fn expire(&self) {
         if let Ok(mut pending) = self.pending.lock() {
-            pending.retain(|_, entry| entry.since.elapsed() < FORGET_AFTER.max(self.ttl));
+            let now = Instant::now();
+            pending.retain(|_, entry| {
+                entry
+                    .due
+                    .checked_add(FORGET_AFTER)
+                    .is_none_or(|forget_at| now < forget_at)
+            });
         }
     }
 
@@ -189,6 +195,11 @@ impl Expectations {
         if let Ok(mut pending) = self.pending.lock() {
             pending.remove(key);
         }
+    }
+
+    fn due(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.ttl).unwrap_or(now)
     }
 
     pub fn len(&self) -> usize {
@@ -201,10 +212,10 @@ impl Expectations {
 }
 
 /// Whether a pending write is shown by a store showing `seen`.
-fn state_of(entry: &Pending, seen: Option<&str>, ttl: Duration) -> Seen {
+fn state_of(entry: &Pending, seen: Option<&str>) -> Seen {
     if entry.replaced.as_deref() != seen {
         Seen::Met
-    } else if entry.since.elapsed() >= ttl {
+    } else if Instant::now() >= entry.due {
         Seen::Overdue
     } else {
         Seen::Waiting
@@ -367,9 +378,7 @@ mod tests {
         if let Ok(mut pending) = e.pending.lock()
             && let Some(entry) = pending.get_mut("H/ns/b")
         {
-            entry.since = Instant::now()
-                .checked_sub(Duration::from_secs(120))
-                .expect("the machine has been up for two minutes");
+            entry.due = Instant::now();
         }
         let store = |key: &str| match key {
             "H/ns/a" => Some("1".to_string()),

@@ -105,23 +105,34 @@ impl Triggers {
         tracing::info!(kind = %ar.kind, group = %ar.group, "watching a referenced kind");
         let writer = kube::runtime::reflector::store::Writer::new(ar.clone());
         let store = writer.as_reader();
+        let reader = store.clone();
         let task = tokio::spawn(async move {
-            // The store is updated before the event wakes the Machine, so the pass it wakes
-            // reads what woke it.
-            let events = kube::runtime::reflector(
-                writer,
-                watcher(api, watcher::Config::default()).default_backoff(),
-            )
-            .touched_objects();
-            futures::pin_mut!(events);
-            while let Some(event) = events.next().await {
-                let Ok(obj) = event else { continue };
+            let wake = |obj: &DynamicObject| {
                 let namespace = obj.namespace().unwrap_or_default();
                 for owner in obj.owner_references() {
                     if owner.kind == "Machine" && owner.api_version.starts_with("cluster.x-k8s.io/")
                     {
                         let _ = tx.send(ObjectRef::new(&owner.name).within(&namespace));
                     }
+                }
+            };
+            // A Machine is woken only once the store shows what woke it: the reflector applies
+            // each event before passing it on, but a re-list's objects reach the store only at
+            // its end (InitDone), so those wake their Machines then, from the store.
+            let events = kube::runtime::reflector(
+                writer,
+                watcher(api, watcher::Config::default()).default_backoff(),
+            );
+            futures::pin_mut!(events);
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(watcher::Event::Apply(obj) | watcher::Event::Delete(obj)) => wake(&obj),
+                    Ok(watcher::Event::InitDone) => {
+                        for obj in reader.state() {
+                            wake(&obj);
+                        }
+                    }
+                    Ok(watcher::Event::Init | watcher::Event::InitApply(_)) | Err(_) => {}
                 }
             }
         });

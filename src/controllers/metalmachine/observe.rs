@@ -132,12 +132,6 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         })
         .and_then(|mc| mc.spec.failure_domain_label.clone())
         .unwrap_or_else(|| DEFAULT_FAILURE_DOMAIN_LABEL.to_string());
-    let hosts: Vec<Arc<MetalHost>> = stores
-        .hosts
-        .state()
-        .into_iter()
-        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
-        .collect();
     let host_prefix = object_key("MetalHost", &namespace, "");
     let host_version = |key: &str| {
         let host = key.strip_prefix(&host_prefix).unwrap_or_default();
@@ -155,6 +149,13 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
             return Observation::Stale(key);
         }
     }
+    // Copied after the expectations are met, so `decide` sees the versions that met them.
+    let hosts: Vec<Arc<MetalHost>> = stores
+        .hosts
+        .state()
+        .into_iter()
+        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
+        .collect();
     let secret_name = tokens::boot_secret_name(&name);
     let secret = stores
         .boot_secrets
