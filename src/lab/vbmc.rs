@@ -1,7 +1,11 @@
 //! The lab's virtual BMC: one Redfish service with one System per QEMU lab host. It speaks the
 //! Redfish subset metalboot's driver uses (service root, sessions and basic auth, systems,
 //! reset with allowed values, one-time boot override, Ethernet interfaces) — the same suite the
-//! driver passes against sushy-tools runs against it.
+//! driver passes against sushy-tools runs against it. What it serves is valid Redfish: every
+//! resource carries the `@odata.id`, `@odata.type`, `Id` and `Name` the schemas require, links
+//! only to resources it serves, and DMTF's Redfish Service Validator passes it
+//! (`tests/redfish_validator.rs`). It serves no `$metadata` or OData service document (the
+//! service validator does not read them; the protocol validator would).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -161,6 +165,32 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// The schema versions the resources claim (`@odata.type`): the versions whose properties they
+/// carry, as DMTF's CSDL defines them.
+const SERVICE_ROOT_TYPE: &str = "#ServiceRoot.v1_11_0.ServiceRoot";
+const SESSION_SERVICE_TYPE: &str = "#SessionService.v1_1_8.SessionService";
+const SESSION_COLLECTION_TYPE: &str = "#SessionCollection.SessionCollection";
+const SESSION_TYPE: &str = "#Session.v1_7_0.Session";
+const SYSTEM_COLLECTION_TYPE: &str = "#ComputerSystemCollection.ComputerSystemCollection";
+const SYSTEM_TYPE: &str = "#ComputerSystem.v1_20_0.ComputerSystem";
+const NIC_COLLECTION_TYPE: &str = "#EthernetInterfaceCollection.EthernetInterfaceCollection";
+const NIC_TYPE: &str = "#EthernetInterface.v1_12_0.EthernetInterface";
+
+const SESSIONS: &str = "/redfish/v1/SessionService/Sessions";
+
+/// A Redfish resource collection: `Members` with their `@odata.id`s.
+fn collection(odata_id: &str, odata_type: &str, name: &str, members: Vec<String>) -> Response {
+    let members: Vec<Value> = members.iter().map(|m| json!({"@odata.id": m})).collect();
+    axum::Json(json!({
+        "@odata.id": odata_id,
+        "@odata.type": odata_type,
+        "Name": name,
+        "Members@odata.count": members.len(),
+        "Members": members,
+    }))
+    .into_response()
+}
+
 /// Serves `bmc` on a free loopback port until the process ends; returns the port.
 pub async fn serve_on_loopback(bmc: Arc<VirtualBmc>) -> std::io::Result<u16> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -252,13 +282,13 @@ async fn simulated_faults(
 async fn root() -> Response {
     axum::Json(json!({
         "@odata.id": "/redfish/v1/",
-        "@odata.type": "#ServiceRoot.v1_11_0.ServiceRoot",
+        "@odata.type": SERVICE_ROOT_TYPE,
         "Id": "RootService",
         "Name": "metalboot lab BMC",
         "RedfishVersion": "1.15.0",
         "Systems": {"@odata.id": "/redfish/v1/Systems"},
         "SessionService": {"@odata.id": "/redfish/v1/SessionService"},
-        "Links": {"Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"}},
+        "Links": {"Sessions": {"@odata.id": SESSIONS}},
     }))
     .into_response()
 }
@@ -266,11 +296,25 @@ async fn root() -> Response {
 async fn session_service() -> Response {
     axum::Json(json!({
         "@odata.id": "/redfish/v1/SessionService",
+        "@odata.type": SESSION_SERVICE_TYPE,
         "Id": "SessionService",
+        "Name": "Session Service",
         "ServiceEnabled": true,
-        "Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"},
+        "Sessions": {"@odata.id": SESSIONS},
     }))
     .into_response()
+}
+
+/// A session resource, as a login returns it and a GET reads it. The password is never shown.
+fn session_body(id: &str, user: &str) -> Value {
+    json!({
+        "@odata.id": format!("{SESSIONS}/{id}"),
+        "@odata.type": SESSION_TYPE,
+        "Id": id,
+        "Name": "User Session",
+        "UserName": user,
+        "Password": null,
+    })
 }
 
 async fn login(State(bmc): State<Arc<VirtualBmc>>, body: axum::body::Bytes) -> Response {
@@ -295,12 +339,8 @@ async fn login(State(bmc): State<Arc<VirtualBmc>>, body: axum::body::Bytes) -> R
     if let Ok(mut sessions) = bmc.sessions.lock() {
         sessions.insert(token.clone(), id.clone());
     }
-    let location = format!("/redfish/v1/SessionService/Sessions/{id}");
-    let mut r = (
-        StatusCode::CREATED,
-        axum::Json(json!({"@odata.id": location, "Id": id, "UserName": user})),
-    )
-        .into_response();
+    let location = format!("{SESSIONS}/{id}");
+    let mut r = (StatusCode::CREATED, axum::Json(session_body(&id, user))).into_response();
     if let (Ok(t), Ok(l)) = (
         HeaderValue::from_str(&token),
         HeaderValue::from_str(&location),
@@ -315,21 +355,32 @@ async fn list_sessions(State(bmc): State<Arc<VirtualBmc>>, headers: HeaderMap) -
     if !bmc.authorized(&headers) {
         return error(StatusCode::UNAUTHORIZED, "authentication required");
     }
-    let members: Vec<Value> = bmc
+    let mut ids: Vec<String> = bmc
         .sessions
         .lock()
-        .map(|s| {
-            s.values()
-                .map(|id| json!({"@odata.id": format!("/redfish/v1/SessionService/Sessions/{id}")}))
-                .collect()
-        })
+        .map(|s| s.values().cloned().collect())
         .unwrap_or_default();
-    axum::Json(json!({"Members@odata.count": members.len(), "Members": members})).into_response()
+    ids.sort();
+    let members = ids.iter().map(|id| format!("{SESSIONS}/{id}")).collect();
+    collection(
+        SESSIONS,
+        SESSION_COLLECTION_TYPE,
+        "Session Collection",
+        members,
+    )
 }
 
-async fn session(Path(id): Path<String>) -> Response {
-    axum::Json(json!({"@odata.id": format!("/redfish/v1/SessionService/Sessions/{id}"), "Id": id}))
-        .into_response()
+async fn session(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
+    let known = bmc
+        .sessions
+        .lock()
+        .map(|s| s.values().any(|v| *v == id))
+        .unwrap_or(false);
+    if !known {
+        return error(StatusCode::NOT_FOUND, "no such session");
+    }
+    // One account: every session is its user's.
+    axum::Json(session_body(&id, &bmc.username)).into_response()
 }
 
 async fn logout(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Response {
@@ -350,12 +401,17 @@ async fn logout(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> R
 }
 
 async fn systems(State(bmc): State<Arc<VirtualBmc>>) -> Response {
-    let members: Vec<Value> = bmc
+    let members = bmc
         .systems
         .keys()
-        .map(|id| json!({"@odata.id": format!("/redfish/v1/Systems/{id}")}))
+        .map(|id| format!("/redfish/v1/Systems/{id}"))
         .collect();
-    axum::Json(json!({"@odata.id": "/redfish/v1/Systems", "Members@odata.count": members.len(), "Members": members})).into_response()
+    collection(
+        "/redfish/v1/Systems",
+        SYSTEM_COLLECTION_TYPE,
+        "Computer System Collection",
+        members,
+    )
 }
 
 fn host(bmc: &VirtualBmc, id: &str) -> Option<LabSystem> {
@@ -391,7 +447,7 @@ async fn system(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> R
     let boot = h.boot_override().await;
     axum::Json(json!({
         "@odata.id": format!("/redfish/v1/Systems/{id}"),
-        "@odata.type": "#ComputerSystem.v1_20_0.ComputerSystem",
+        "@odata.type": SYSTEM_TYPE,
         "Id": id,
         "Name": id,
         "Manufacturer": "metalboot lab",
@@ -504,7 +560,12 @@ async fn nics(State(bmc): State<Arc<VirtualBmc>>, Path(id): Path<String>) -> Res
     if host(&bmc, &id).is_none() {
         return no_system(&id);
     }
-    axum::Json(json!({"Members@odata.count": 1, "Members": [{"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0")}]})).into_response()
+    collection(
+        &format!("/redfish/v1/Systems/{id}/EthernetInterfaces"),
+        NIC_COLLECTION_TYPE,
+        "Ethernet Network Interface Collection",
+        vec![format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0")],
+    )
 }
 
 async fn nic(
@@ -517,5 +578,13 @@ async fn nic(
     if nic != "nic0" {
         return error(StatusCode::NOT_FOUND, &format!("no interface {nic}"));
     }
-    axum::Json(json!({"@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0"), "Id": "nic0", "MACAddress": h.mac()})).into_response()
+    axum::Json(json!({
+        "@odata.id": format!("/redfish/v1/Systems/{id}/EthernetInterfaces/nic0"),
+        "@odata.type": NIC_TYPE,
+        "Id": "nic0",
+        "Name": "Ethernet Interface nic0",
+        "MACAddress": h.mac(),
+        "PermanentMACAddress": h.mac(),
+    }))
+    .into_response()
 }
