@@ -17,6 +17,16 @@ fn bmc(
     password: &std::path::Path,
     args: &[&str],
 ) -> (bool, String, String) {
+    bmc_as(replay, password, "json", args)
+}
+
+/// Runs `metalboot bmc --output <output>`.
+fn bmc_as(
+    replay: &replay::Replay,
+    password: &std::path::Path,
+    output: &str,
+    args: &[&str],
+) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_metalboot"))
         .args(["bmc", "--address"])
         .arg(format!(
@@ -26,7 +36,7 @@ fn bmc(
         ))
         .args(["--username", replay::USER, "--password-file"])
         .arg(password)
-        .args(["--output", "json"])
+        .args(["--output", output])
         .args(args)
         .output()
         .expect("metalboot bmc");
@@ -62,6 +72,14 @@ async fn every_bmc_subcommand_against_five_vendor_personalities() {
 
         let probe: serde_json::Value = serde_json::from_str(&run(&["probe"])).expect("probe JSON");
         println!("{name}: probe {probe}");
+        // What an operator reads: `metalboot bmc probe` as it prints by default.
+        let (ok, text, all) = bmc_as(&server, &password, "text", &["probe"]);
+        assert!(ok, "{name}: metalboot bmc probe: {all}");
+        println!("{name}: metalboot bmc probe\n{text}");
+        assert!(
+            text.starts_with("protocol:       Redfish"),
+            "{name}: {text}"
+        );
         assert_eq!(probe["protocol"], "Redfish", "{name}");
         assert!(
             probe["resetTypes"]
