@@ -23,7 +23,7 @@ replay:
 	@hack/redfish-replay.sh
 
 ## os-image: the lab's installed OS, a Debian disk image with the real cloud-init (target/lab/os)
-os-image: deps
+os-image: deps control-plane
 	@hack/os-image/build.sh
 
 ## deploy-ramdisk: kernel + busybox initramfs running `metalboot agent` (target/lab/deploy)

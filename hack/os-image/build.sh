@@ -10,6 +10,11 @@
 # 3 ext4 root labelled "metalboot-root". cloud-init's NoCloud datasource is left to find its seed:
 # metalboot's deploy agent adds a CIDATA partition whose meta-data points back at the boot token
 # URL (seedfrom), so nothing secret is stored on the disk.
+#
+# A Kubernetes node, ready for `kubeadm join`: kubelet and kubeadm built from the pinned release
+# (hack/control-plane/build.sh), containerd, runc and the CNI plugins from Debian, a bridge CNI
+# config, the pause image built from the release's source (pause-image.sh), and kubeadm's kubelet
+# unit. Files in node/.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -17,8 +22,12 @@ out="${OS_IMAGE_DIR:-$root/target/lab/os}"
 size="${OS_IMAGE_SIZE:-2G}"
 suite=bookworm
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+k8s_bin="${CONTROL_PLANE_BIN:-$root/target/control-plane/bin}"
 mkdir -p "$out"
-want="$(cat "$here"/* | sha256sum | cut -c1-16) $size $suite"
+for b in kubelet kubeadm; do
+  [ -x "$k8s_bin/$b" ] || { echo "os image: no $k8s_bin/$b (make control-plane builds it)" >&2; exit 1; }
+done
+want="$(find "$here" -type f | sort | xargs cat | sha256sum | cut -c1-16) $(cat "$k8s_bin/.pin" 2>/dev/null | tr ' ' -) $size $suite"
 if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ] && [ -s "$out/debian.raw" ] && [ -s "$out/debian.raw.gz" ] && [ -s "$out/debian.qcow2" ] && [ -s "$out/live/filesystem.squashfs" ]; then
   echo "os image: reusing $out"
   exit 0
@@ -42,12 +51,27 @@ packages=(
   systemd-sysv udev dbus linux-image-cloud-amd64 initramfs-tools
   cloud-init curl ca-certificates iproute2 netbase e2fsprogs
   kmod procps less live-boot
+  containerd runc containernetworking-plugins
 )
+"$here/pause-image.sh" "$work/pause.tar"
+node="$here/node"
 mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "${packages[*]}")" \
   --customize-hook="cp '$here/networkd.network' \"\$1/etc/systemd/network/10-dhcp.network\"" \
   --customize-hook="cp '$here/cloud.cfg' \"\$1/etc/cloud/cloud.cfg.d/90-metalboot.cfg\"" \
   --customize-hook="chroot \"\$1\" systemctl enable systemd-networkd.service systemd-networkd-wait-online.service serial-getty@ttyS0.service" \
   --customize-hook="echo metalboot > \"\$1/etc/hostname\"" \
+  --customize-hook="install -m 0755 '$k8s_bin/kubelet' '$k8s_bin/kubeadm' \"\$1/usr/bin/\"" \
+  --customize-hook="install -D -m 0644 '$node/kubelet.service' \"\$1/etc/systemd/system/kubelet.service\"" \
+  --customize-hook="install -D -m 0644 '$node/10-kubeadm.conf' \"\$1/etc/systemd/system/kubelet.service.d/10-kubeadm.conf\"" \
+  --customize-hook="install -D -m 0644 '$node/containerd.toml' \"\$1/etc/containerd/config.toml\"" \
+  --customize-hook="install -D -m 0644 '$node/containerd-live.conf' \"\$1/etc/systemd/system/containerd.service.d/10-metalboot-live.conf\"" \
+  --customize-hook="install -D -m 0644 '$node/10-metalboot-bridge.conflist' \"\$1/etc/cni/net.d/10-metalboot-bridge.conflist\"" \
+  --customize-hook="install -D -m 0644 '$node/sysctl-kubernetes.conf' \"\$1/etc/sysctl.d/90-kubernetes.conf\"" \
+  --customize-hook="install -D -m 0644 '$node/modules-kubernetes.conf' \"\$1/etc/modules-load.d/kubernetes.conf\"" \
+  --customize-hook="install -D -m 0644 '$node/metalboot-pause-image.service' \"\$1/etc/systemd/system/metalboot-pause-image.service\"" \
+  --customize-hook="install -D -m 0644 '$work/pause.tar' \"\$1/usr/share/metalboot/pause.tar\"" \
+  --customize-hook="for c in \"\$1\"/boot/config-*; do cp \"\$c\" \"\$1/usr/lib/modules/\${c##*/config-}/config\"; done" \
+  --customize-hook="chroot \"\$1\" systemctl enable containerd.service kubelet.service metalboot-pause-image.service" \
   --customize-hook="printf 'LABEL=metalboot-root / ext4 errors=remount-ro 0 1\nLABEL=METALEFI /boot/efi vfat umask=0077,nofail 0 2\n' > \"\$1/etc/fstab\"" \
   --customize-hook="rm -f \"\$1\"/etc/machine-id \"\$1\"/var/lib/dbus/machine-id; touch \"\$1/etc/machine-id\"" \
   "$suite" "$work/rootfs.tar" "$mirror"
