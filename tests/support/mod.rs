@@ -8,6 +8,7 @@ pub mod boot;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -21,6 +22,22 @@ pub struct SharedControlPlane {
     pub ca_pem: String,
     /// Holds the apiserver's audit log (`controlplane::AUDIT_LOG`).
     pub data_dir: PathBuf,
+    pub join_ready: bool,
+}
+
+/// Whether this binary's control plane is join-ready (`controlplane::Options::join_ready`).
+static JOIN_READY: AtomicBool = AtomicBool::new(false);
+
+/// The binary's control plane, join-ready for kubeadm join (kube-controller-manager, bootstrap
+/// tokens, the Node authorizer). Only a test binary whose every test calls this first gets one.
+pub fn join_ready_control_plane() -> &'static SharedControlPlane {
+    JOIN_READY.store(true, Ordering::SeqCst);
+    let plane = control_plane();
+    assert!(
+        plane.join_ready,
+        "this binary's control plane was started before a test asked for a join-ready one"
+    );
+    plane
 }
 
 /// The binary's control plane, started on first call.
@@ -40,8 +57,9 @@ pub fn control_plane() -> &'static SharedControlPlane {
             bin_dir: controlplane::default_bin_dir(),
             data_dir: data_dir.clone(),
             lifetime: Lifetime::TiedToThisProcess,
-            join_ready: false,
+            join_ready: JOIN_READY.load(Ordering::SeqCst),
         };
+        let join_ready = opts.join_ready;
         // Started on its own runtime: the caller may be inside another test's runtime.
         let started = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -63,6 +81,7 @@ pub fn control_plane() -> &'static SharedControlPlane {
                 server: cp.server.clone(),
                 ca_pem: cp.ca_pem.clone(),
                 data_dir: cp.data_dir.clone(),
+                join_ready,
             };
             // Processes die with this test binary (PDEATHSIG + atexit), not when a test ends.
             std::mem::forget(cp);

@@ -1,0 +1,427 @@
+//! A real node joins (issue 16): the lab's Debian, netbooted live as `make lab` boots it, runs the
+//! real cloud-init on metalboot's NoCloud data. Its user-data is a `kubeadm join` cloud-config in
+//! the shape upstream's kubeadm bootstrap provider (CABPK) renders: a JoinConfiguration written
+//! with cloud-init's jinja templating (node name and `--provider-id` from metalboot's meta-data,
+//! as CAPM3's templates do), `kubeadm join`, then the bootstrap-success sentinel. The real kubeadm
+//! joins a join-ready control plane (real kube-apiserver, etcd and kube-controller-manager, the
+//! token and `cluster-info` made by the real `kubeadm init` phases); the real kubelet, on Debian's
+//! containerd, registers the Node with the Machine's providerID and it becomes Ready; metalboot's
+//! vendor-data (merged with the user-data by cloud-init itself) sees the sentinel and calls back.
+//! CABPK itself does not run here: the lab's `--kubeadm` mode is where it will.
+//!
+//! The guest reaches the boot service and the apiserver, both on loopback, as 10.0.2.2 over QEMU's
+//! user-mode network, which the test makes itself.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use kube::api::Api;
+use metalboot::boot::artifacts::artifacts_router;
+use metalboot::boot::http::{BootConfig, router};
+use metalboot::boot::ipxe::nocloud_url;
+use metalboot::boot::serve::{HttpLimits, serve};
+use metalboot::controlplane;
+use support::boot::*;
+
+/// Where `hack/os-image/build.sh` puts the live system.
+fn live_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/lab/os");
+    for file in [
+        "live/vmlinuz",
+        "live/initrd.img",
+        "live/filesystem.squashfs",
+    ] {
+        assert!(
+            dir.join(file).is_file(),
+            "{} is missing: `make test` builds it (hack/os-image/build.sh)",
+            dir.join(file).display()
+        );
+    }
+    dir
+}
+
+fn kubernetes_version() -> String {
+    let env = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("hack/control-plane/versions.env"),
+    )
+    .expect("versions.env");
+    env.lines()
+        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
+        .expect("KUBERNETES_VERSION")
+        .trim()
+        .to_string()
+}
+
+fn random_token() -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let mut pick = |n: usize| -> String {
+        (0..n)
+            .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+            .collect()
+    };
+    format!("{}.{}", pick(6), pick(16))
+}
+
+/// kubeadm's `--discovery-token-ca-cert-hash`: sha256 of the CA's SubjectPublicKeyInfo.
+fn ca_cert_hash(ca_pem: &str, dir: &Path) -> String {
+    let ca = dir.join("ca.crt");
+    std::fs::write(&ca, ca_pem).expect("write CA");
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "openssl x509 -in '{}' -noout -pubkey | openssl pkey -pubin -outform DER | sha256sum",
+            ca.display()
+        ))
+        .output()
+        .expect("openssl");
+    assert!(out.status.success(), "openssl: {out:?}");
+    let hex = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .expect("digest")
+        .to_string();
+    assert_eq!(hex.len(), 64, "sha256 hex: {hex}");
+    format!("sha256:{hex}")
+}
+
+/// What `kubeadm init` leaves for joining nodes on a control plane: the kubeadm and kubelet
+/// ConfigMaps, the bootstrap token with its RBAC, `cluster-info` naming the endpoint the hosts use.
+fn kubeadm_init_phases(plane: &support::SharedControlPlane, token: &str, dir: &Path) {
+    let port = plane.server.rsplit(':').next().expect("port");
+    let config = dir.join("kubeadm.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubeadm.k8s.io/v1beta4
+kind: InitConfiguration
+bootstrapTokens:
+- token: {token}
+  ttl: 2h0m0s
+  groups: [system:bootstrappers:kubeadm:default-node-token]
+  usages: [signing, authentication]
+localAPIEndpoint:
+  advertiseAddress: 10.0.2.2
+  bindPort: {port}
+nodeRegistration:
+  name: control-plane
+  criSocket: unix:///run/containerd/containerd.sock
+---
+apiVersion: kubeadm.k8s.io/v1beta4
+kind: ClusterConfiguration
+kubernetesVersion: {version}
+controlPlaneEndpoint: 10.0.2.2:{port}
+networking:
+  podSubnet: 10.244.0.0/16
+",
+            version = kubernetes_version(),
+        ),
+    )
+    .expect("kubeadm config");
+    let kubeadm = controlplane::default_bin_dir().join("kubeadm");
+    for phase in [
+        &["init", "phase", "upload-config", "all"][..],
+        &["init", "phase", "bootstrap-token"][..],
+    ] {
+        let out = std::process::Command::new(&kubeadm)
+            .args(phase)
+            .arg(format!("--config={}", config.display()))
+            .arg(format!("--kubeconfig={}", plane.kubeconfig_path.display()))
+            .output()
+            .expect("run kubeadm");
+        assert!(
+            out.status.success(),
+            "kubeadm {phase:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// The cloud-config CABPK renders for a worker, reduced to what a join needs: the
+/// JoinConfiguration (jinja: node name and provider ID from metalboot's meta-data), kubeadm join,
+/// and the sentinel CABPK's bootstrap script writes once the join succeeded.
+fn join_user_data(endpoint: &str, token: &str, ca_hash: &str) -> String {
+    format!(
+        r#"## template: jinja
+#cloud-config
+write_files:
+- path: /run/kubeadm/kubeadm-join-config.yaml
+  owner: root:root
+  permissions: '0640'
+  content: |
+    apiVersion: kubeadm.k8s.io/v1beta4
+    kind: JoinConfiguration
+    discovery:
+      bootstrapToken:
+        apiServerEndpoint: {endpoint}
+        token: {token}
+        caCertHashes:
+        - {ca_hash}
+    nodeRegistration:
+      name: '{{{{ ds.meta_data.local_hostname }}}}'
+      criSocket: unix:///run/containerd/containerd.sock
+      kubeletExtraArgs:
+      - name: provider-id
+        value: '{{{{ ds.meta_data.provider_id }}}}'
+runcmd:
+- "echo 'metalboot-test: kubeadm join starts' > /dev/console"
+- "kubeadm join --config /run/kubeadm/kubeadm-join-config.yaml > /var/log/kubeadm-join.log 2>&1; rc=$?; tail -n 40 /var/log/kubeadm-join.log > /dev/console; [ $rc -eq 0 ] && mkdir -p /run/cluster-api && echo success > /run/cluster-api/bootstrap-success.complete"
+- "echo 'metalboot-test: kubeadm join ended' > /dev/console"
+"#
+    )
+}
+
+struct Guest {
+    _child: tokio::process::Child,
+    console: PathBuf,
+}
+
+impl Guest {
+    /// The live system as iPXE boots it (kernel, initrd, live-boot fetching the root squashfs),
+    /// here by QEMU's direct kernel boot: the firmware paths have tests of their own.
+    fn boot(dir: &Path, live: &Path, cmdline: &str) -> Guest {
+        let console = dir.join("console.log");
+        let mut cmd = tokio::process::Command::new("qemu-system-x86_64");
+        cmd.args(["-machine", "pc,accel=tcg", "-m", "2048", "-smp", "2"])
+            .args(["-display", "none"])
+            .args(["-serial", &format!("file:{}", console.display())])
+            .arg("-kernel")
+            .arg(live.join("live/vmlinuz"))
+            .arg("-initrd")
+            .arg(live.join("live/initrd.img"))
+            .args(["-append", cmdline])
+            .args(["-netdev", "user,id=n0"])
+            .args(["-device", "virtio-net-pci,netdev=n0,romfile="])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true);
+        Guest {
+            _child: cmd.spawn().expect("start qemu-system-x86_64"),
+            console,
+        }
+    }
+
+    fn console(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
+    }
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let mut start = s.len().saturating_sub(n);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+#[tokio::test]
+async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
+    let plane = support::join_ready_control_plane();
+    let live = live_dir();
+    let ns = support::namespace("join").await;
+    install_crds(&ns.client).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let started = Instant::now();
+    let mut timeline: Vec<(&str, Duration)> = Vec::new();
+
+    let token = random_token();
+    let port = plane.server.rsplit(':').next().expect("port");
+    kubeadm_init_phases(plane, &token, dir.path());
+    let public: Api<ConfigMap> = Api::namespaced(ns.client.clone(), "kube-public");
+    let token_id = token.split('.').next().expect("token id").to_string();
+    let signature_key = format!("jws-kubeconfig-{token_id}");
+    let signature = |cm: &ConfigMap| {
+        cm.data
+            .as_ref()
+            .and_then(|d| d.get(&signature_key))
+            .cloned()
+    };
+    let info = support::eventually("cluster-info signed for the token", 120, || async {
+        public
+            .get_opt("cluster-info")
+            .await
+            .ok()
+            .flatten()
+            .filter(|cm| signature(cm).is_some())
+    })
+    .await;
+    // kubeadm writes into cluster-info the server its own kubeconfig names (loopback here); the
+    // hosts reach the apiserver as 10.0.2.2, so cluster-info is pointed there, as an operator
+    // does when the endpoint differs, and kube-controller-manager's bootstrap signer signs it again.
+    let first_signature = signature(&info);
+    let mut moved = info.clone();
+    if let Some(kubeconfig) = moved.data.as_mut().and_then(|d| d.get_mut("kubeconfig")) {
+        *kubeconfig = kubeconfig.replace(&plane.server, &format!("https://10.0.2.2:{port}"));
+    }
+    assert_ne!(moved.data, info.data, "cluster-info names {}", plane.server);
+    public
+        .replace("cluster-info", &Default::default(), &moved)
+        .await
+        .expect("point cluster-info at 10.0.2.2");
+    support::eventually("cluster-info signed again", 120, || async {
+        public
+            .get_opt("cluster-info")
+            .await
+            .ok()
+            .flatten()
+            .filter(|cm| signature(cm).is_some() && signature(cm) != first_signature)
+    })
+    .await;
+    timeline.push(("control plane ready for joins", started.elapsed()));
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!(
+        "http://10.0.2.2:{}",
+        listener.local_addr().expect("addr").port()
+    );
+    let (state, mut callbacks) = boot_state_with(
+        &ns.client,
+        &ns.name,
+        BootConfig {
+            base_url: base.clone(),
+            pin_source_ip: false,
+            sentinel_wait_seconds: 1200,
+            deploy: None,
+        },
+    )
+    .await;
+    let app = router(state.clone()).nest("/artifacts", artifacts_router(live.clone()));
+    tokio::spawn(serve(listener, app, HttpLimits::default()));
+
+    let host = "host-0";
+    create_host(&ns.client, &ns.name, host, "52:54:00:12:34:56").await;
+    let profile = metalboot::api::metalmachine::BootProfile {
+        kernel: "live/vmlinuz".into(),
+        initrds: vec!["live/initrd.img".into()],
+        cmdline: Some(format!(
+            "boot=live fetch={base}/artifacts/live/filesystem.squashfs"
+        )),
+    };
+    let machine = create_machine(&ns.client, &ns.name, "worker-0", profile).await;
+    set_host_state(
+        &ns.client,
+        &ns.name,
+        host,
+        metalboot::api::metalhost::HostState::Provisioning,
+        Some(&machine),
+    )
+    .await;
+    let user_data = join_user_data(
+        &format!("10.0.2.2:{port}"),
+        &token,
+        &ca_cert_hash(&plane.ca_pem, dir.path()),
+    );
+    let record =
+        create_boot_secret(&ns.client, &ns.name, &machine, host, user_data.as_bytes()).await;
+    until_stores("the boot Secret in the store", &state, |s| {
+        !s.boot_secrets.state().is_empty() && !s.machines.state().is_empty()
+    })
+    .await;
+
+    let cmdline = format!(
+        "boot=live fetch={base}/artifacts/live/filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0 panic=10 ds=nocloud-net;s={}",
+        nocloud_url(&base, record.token.expose())
+    );
+    let guest = Guest::boot(dir.path(), &live, &cmdline);
+    let booted = Instant::now();
+    let seen = |what: &'static str| {
+        let guest = &guest;
+        async move { guest.console().contains(what).then_some(()) }
+    };
+    let fail = |what: &str| -> ! { panic!("{what}; console:\n{}", tail(&guest.console(), 8000)) };
+    if support::eventually_or("cloud-init starts kubeadm join", 900, || {
+        seen("metalboot-test: kubeadm join starts")
+    })
+    .await
+    .is_none()
+    {
+        fail("kubeadm join never started");
+    }
+    timeline.push(("power on → kubeadm join starts", booted.elapsed()));
+
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    let node = support::eventually_or("the kubelet registers its Node", 600, || async {
+        nodes.get_opt(host).await.ok().flatten()
+    })
+    .await
+    .unwrap_or_else(|| fail("no Node registered"));
+    timeline.push(("power on → Node registered", booted.elapsed()));
+    assert_eq!(
+        node.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
+        Some(record.provider_id.as_str()),
+        "the kubelet's --provider-id comes from metalboot's meta-data"
+    );
+    let ready = support::eventually_or("the Node becomes Ready", 600, || async {
+        nodes.get_opt(host).await.ok().flatten().filter(node_ready)
+    })
+    .await;
+    let Some(ready) = ready else {
+        let conditions = nodes
+            .get_opt(host)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|n| n.status)
+            .and_then(|s| s.conditions);
+        fail(&format!("the Node never became Ready: {conditions:?}"))
+    };
+    timeline.push(("power on → Node Ready", booted.elapsed()));
+    let info = ready
+        .status
+        .as_ref()
+        .and_then(|s| s.node_info.as_ref())
+        .expect("nodeInfo");
+    assert_eq!(info.kubelet_version, kubernetes_version());
+    assert!(
+        info.container_runtime_version.starts_with("containerd://"),
+        "{}",
+        info.container_runtime_version
+    );
+    let addresses: Vec<String> = ready
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .map(|a| {
+            a.iter()
+                .map(|a| format!("{}={}", a.type_, a.address))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        addresses.iter().any(|a| a == "InternalIP=10.0.2.15"),
+        "{addresses:?}"
+    );
+
+    // The sentinel, written after the join, reaches metalboot through its own vendor-data.
+    let notice = tokio::time::timeout(Duration::from_secs(300), callbacks.recv())
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| fail("no callback after the join"));
+    assert_eq!(notice.metal_machine, "worker-0");
+    timeline.push(("power on → callback", booted.elapsed()));
+
+    println!("kubeadm join timeline (TCG, 2 vCPU, 2 GiB, live Debian):");
+    for (what, at) in &timeline {
+        println!("  {what:<34} {:>6.1} s", at.as_secs_f64());
+    }
+    println!(
+        "Node {host}: providerID {}, kubelet {}, runtime {}, {addresses:?}",
+        record.provider_id, info.kubelet_version, info.container_runtime_version
+    );
+}
