@@ -10,6 +10,8 @@ mod sushy;
 
 #[path = "support/hostlab.rs"]
 mod hostlab;
+#[path = "support/replay.rs"]
+mod replay;
 
 use hostlab::{Lab, PASSWORD, boot_chain, condition, credentials, lab, power_of};
 
@@ -424,7 +426,12 @@ async fn powered_for_m1(lab: &Lab, what: &str) -> Secret {
 
 /// Plays host-0's OS: the boot chain, then the bootstrap-success callback (accepted).
 async fn play_callback(lab: &Lab, manager: &RunningManager) {
-    let seed = boot_chain(&manager.base_url, &lab.sushy.systems[0].macs[0]).await;
+    play_callback_of(manager, &lab.sushy.systems[0].macs[0]).await
+}
+
+/// Plays the OS of the host whose boot NIC is `mac`: the boot chain, then the callback.
+async fn play_callback_of(manager: &RunningManager, mac: &str) {
+    let seed = boot_chain(&manager.base_url, mac).await;
     let callback = seed
         .replace("/nocloud/", "/callback/")
         .trim_end_matches('/')
@@ -850,4 +857,127 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         mm.status.as_ref().is_some_and(|s| s.ready) && mm.spec.provider_id.is_some(),
         "still provisioned and ready"
     );
+}
+
+/// What `status.bmc.bootOnce` says of host-0, once it says something.
+async fn boot_once_recorded(lab: &Lab) -> metalboot::api::metalhost::BootOnce {
+    support::eventually("status.bmc.bootOnce recorded", 30, || async {
+        lab.metal_host("host-0").await.status?.bmc?.boot_once
+    })
+    .await
+}
+
+/// Issue 18's strategy from the probe record, on a BMC that keeps every override: sushy-tools
+/// reads the power-on's one-time network boot back as `Continuous`, which the power-on's own
+/// power read records (`status.bmc.bootOnce: Continuous`). A live-mode host's next boot is then
+/// left to the network boot that still holds: neither the provisioning callback nor a reboot's
+/// costs a request, where before each set it again (3 PATCHes of the system for this run).
+#[tokio::test]
+async fn a_bmc_that_keeps_overrides_is_not_asked_for_the_network_boot_again_after_each_boot() {
+    use metalboot::api::metalhost::BootOnce;
+    let lab = lab("keeps", 1).await;
+    lab.host(0).await;
+    lab.machine("m1", None, None).await;
+    let manager = lab.manager().await;
+    powered_for_m1(&lab, "host powered for provisioning").await;
+    assert_eq!(boot_once_recorded(&lab).await, BootOnce::Continuous);
+    play_callback(&lab, &manager).await;
+    support::eventually("ready, armed for the first reboot", 30, || async {
+        armed_for_reboot(&lab).await.filter(|n| *n == 1)
+    })
+    .await;
+    // The host reboots (sushy still netboots it) and its OS calls back with the new token.
+    play_callback(&lab, &manager).await;
+    support::eventually("re-armed for the second reboot", 30, || async {
+        armed_for_reboot(&lab).await.filter(|n| *n == 2)
+    })
+    .await;
+    let patches: Vec<_> = lab
+        .proxy
+        .log()
+        .into_iter()
+        .filter(|e| e.method == "PATCH")
+        .collect();
+    assert_eq!(
+        patches.len(),
+        1,
+        "only the power-on set the boot override: {patches:?}"
+    );
+    let boot = lab.bmc(0).boot_override().await.expect("boot override");
+    assert_eq!(
+        (boot.device(), boot.enabled.as_deref()),
+        (Some(BootDevice::Pxe), Some("Continuous")),
+        "the host still network-boots"
+    );
+    drop(manager);
+}
+
+/// The same run on a BMC that honours `Once` (the Dell iDRAC replay personality): the power-on's
+/// read records `Honoured`, and each callback sets the next network boot again, as the boot
+/// consumed it (3 PATCHes: power-on, provisioning callback, reboot), so the BMC reads `Pxe`
+/// `Once` after each.
+#[tokio::test]
+async fn a_bmc_that_honours_once_is_asked_for_the_network_boot_after_each_boot() {
+    use metalboot::api::metalhost::BootOnce;
+    let lab = lab("honours", 1).await;
+    let personality = replay::personalities()
+        .into_iter()
+        .find(|p| p.dir == "idrac" && p.behaviour.settings.is_none())
+        .expect("the iDRAC personality");
+    let bmc = replay::start(&personality).await;
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("replay-credentials".into()),
+            ..Default::default()
+        },
+        string_data: Some(
+            [
+                ("username".to_string(), replay::USER.to_string()),
+                ("password".to_string(), replay::PASSWORD.to_string()),
+            ]
+            .into(),
+        ),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("replay credentials");
+    let mac = "52:54:00:aa:bb:01";
+    let address = format!("redfish+http://127.0.0.1:{}{}", bmc.port, bmc.system_path());
+    lab.host_at("host-0", &address, mac, "replay-credentials")
+        .await;
+    lab.machine("m1", None, None).await;
+    let manager = lab.manager().await;
+    powered_for_m1(&lab, "host powered for provisioning").await;
+    assert_eq!(boot_once_recorded(&lab).await, BootOnce::Honoured);
+    let patches = || {
+        bmc.log()
+            .into_iter()
+            .filter(|(m, p, _)| m == "PATCH" && *p == bmc.system_path())
+            .count()
+    };
+    assert_eq!(patches(), 1, "{:?}", bmc.log());
+    play_callback_of(&manager, mac).await;
+    support::eventually("ready, armed for the first reboot", 30, || async {
+        armed_for_reboot(&lab).await.filter(|n| *n == 1)
+    })
+    .await;
+    assert_eq!(patches(), 2, "{:?}", bmc.log());
+    let boot = bmc.boot();
+    assert_eq!(
+        (
+            &boot["BootSourceOverrideTarget"],
+            &boot["BootSourceOverrideEnabled"]
+        ),
+        (&serde_json::json!("Pxe"), &serde_json::json!("Once")),
+        "{boot}"
+    );
+    play_callback_of(&manager, mac).await;
+    support::eventually("re-armed for the second reboot", 30, || async {
+        armed_for_reboot(&lab).await.filter(|n| *n == 2)
+    })
+    .await;
+    assert_eq!(patches(), 3, "{:?}", bmc.log());
+    drop(manager);
 }

@@ -1,9 +1,10 @@
-//! The replay suite: `metalboot bmc` — every subcommand — against four vendor personalities built
+//! The replay suite: `metalboot bmc` — every subcommand — against five vendor personalities built
 //! from real vendors' Redfish replies (Dell iDRAC, HPE iLO 5 and sushy's generic service, fetched
 //! by `hack/redfish-replay.sh`) with scripted behaviours: ETags a PATCH must match, reset types only
 //! in an ActionInfo resource, a settings object for the boot mode, task monitors (202 + Location)
 //! for resets, busy answers (503 + Retry-After) on the first request of each verb, the session
-//! login included. Each subcommand's effect is checked at the server.
+//! login included. Each subcommand's effect is checked at the server. Then how the driver reads
+//! a one-time boot back: with the power state, in one request.
 
 #[path = "support/replay.rs"]
 mod replay;
@@ -160,4 +161,45 @@ async fn every_bmc_subcommand_against_five_vendor_personalities() {
             assert!(busy.len() >= 2, "{name}: {log:?}");
         }
     }
+}
+
+/// Reading a one-time boot back costs the power-on nothing on Redfish: power state and override
+/// come from one GET of the system, as the power state alone did. The iDRAC personality keeps
+/// `Once` as asked, so the reading says `Honoured`.
+#[tokio::test]
+async fn the_override_is_read_back_with_the_power_state_in_one_request() {
+    use metalboot::bmc::redfish::{RedfishBmc, RedfishOptions};
+    use metalboot::bmc::{Bmc, BootDevice, BootOnce, Credentials, PowerState};
+    let personality = replay::personalities()
+        .into_iter()
+        .find(|p| p.dir == "idrac" && p.behaviour.settings.is_none())
+        .expect("the iDRAC personality");
+    let server = replay::start(&personality).await;
+    let system = server.system_path();
+    let bmc = RedfishBmc::new(
+        &format!("redfish+http://127.0.0.1:{}{system}", server.port),
+        Credentials::new(replay::USER, replay::PASSWORD),
+        RedfishOptions::default(),
+    )
+    .expect("driver");
+    bmc.set_boot_once(BootDevice::Pxe, None)
+        .await
+        .expect("boot once");
+    let requests = |from: usize| server.log()[from..].to_vec();
+    let one_get = vec![("GET".to_string(), system.clone(), 200)];
+
+    let before = server.log().len();
+    let power = bmc.power_state().await.expect("power");
+    assert_eq!(requests(before), one_get, "the power state alone");
+
+    let before = server.log().len();
+    let (both, read) = bmc.power_and_boot_override().await.expect("both");
+    assert_eq!(requests(before), one_get, "power state and override");
+    assert_eq!(both, power);
+    assert_eq!(both, PowerState::Off);
+    assert_eq!(
+        read.once_after_setting(BootDevice::Pxe),
+        Some(BootOnce::Honoured)
+    );
+    bmc.logout().await.expect("logout");
 }

@@ -393,6 +393,36 @@ pub struct BmcCapabilities {
     /// IPMI: the RMCP+ cipher suite the BMC accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cipher_suite: Option<u8>,
+    /// How the BMC keeps a one-time (`Once`) boot override. Learned from the override read back
+    /// right after metalboot's first one-time network boot of the host (the power-on's own read,
+    /// no extra request), or from the BMC's allowable values when they leave `Once` out; unset
+    /// until then. The MetalMachine controller chooses from it whether an override must be set
+    /// again after a boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_once: Option<BootOnce>,
+}
+
+/// How the BMC keeps a one-time (`Once`) boot override: `Honoured` (it reads back as `Once`) or
+/// `Continuous` (it reads back as `Continuous` and stays until changed). Learned from the
+/// override read back after metalboot's first one-time network boot of the host, or from the
+/// BMC's allowable values when they leave `Once` out.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum BootOnce {
+    /// It reads back as `Once`: the next boot consumes it, and the boot after follows the
+    /// host's own boot order.
+    Honoured,
+    /// It reads back as `Continuous` (sushy-tools does): every boot follows it until it is
+    /// changed.
+    Continuous,
+}
+
+impl std::fmt::Display for BootOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BootOnce::Honoured => "Honoured",
+            BootOnce::Continuous => "Continuous",
+        })
+    }
 }
 
 /// CPUs of a host.

@@ -127,6 +127,12 @@ UEFI HTTP boot: {}",
         b(c.virtual_media),
         b(c.uefi_http_boot),
     );
+    if let Some(once) = c.boot_once {
+        text.push_str(&format!(
+            "
+boot once:      {once}"
+        ));
+    }
     if let Some(suite) = c.cipher_suite {
         text.push_str(&format!(
             "
@@ -261,8 +267,17 @@ async fn command(bmc: &dyn Bmc, args: &BmcArgs) -> Result<(), String> {
             bmc.set_boot_once(device, mode).await.map_err(e)?;
             let now = bmc.boot_override().await.map_err(e)?;
             print(out, &now, || {
+                let kept = match now.once_after_setting(device) {
+                    Some(super::BootOnce::Continuous) => {
+                        "\nthis BMC keeps a one-time override until it is changed (bootOnce: Continuous)"
+                    }
+                    Some(super::BootOnce::Honoured) => {
+                        "\nthe next boot consumes it (bootOnce: Honoured)"
+                    }
+                    None => "",
+                };
                 format!(
-                    "boot override set; the BMC now reports {} ({}){}",
+                    "boot override set; the BMC now reports {} ({}){}{kept}",
                     now.target.as_deref().unwrap_or("-"),
                     now.enabled.as_deref().unwrap_or("-"),
                     now.mode

@@ -409,6 +409,9 @@ impl Bmc for IpmiBmc {
                 virtual_media: Some(false),
                 uefi_http_boot: Some(false),
                 cipher_suite: *self.cipher.lock().await,
+                // IPMI's boot flags carry "next boot only"; whether this BMC keeps it is learned
+                // from the first one-time boot read back.
+                boot_once: None,
             })
         })
     }

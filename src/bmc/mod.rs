@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 pub use crate::api::metalhost::{
-    BmcCapabilities, BootMode, HardwareInventory, NicInfo, PowerState,
+    BmcCapabilities, BootMode, BootOnce, HardwareInventory, NicInfo, PowerState,
 };
 
 /// The future every [`Bmc`] operation returns: boxed so the trait stays object safe.
@@ -58,6 +58,11 @@ pub trait Bmc: Send + Sync {
     fn set_boot_once(&self, device: BootDevice, mode: Option<BootMode>) -> BmcFuture<'_, ()>;
     /// The boot override as the BMC reports it now.
     fn boot_override(&self) -> BmcFuture<'_, BootOverride>;
+    /// Power state and boot override together; a driver that reads both in one request (Redfish:
+    /// the system resource) answers with one, so reading the override back costs nothing extra.
+    fn power_and_boot_override(&self) -> BmcFuture<'_, (PowerState, BootOverride)> {
+        Box::pin(async move { Ok((self.power_state().await?, self.boot_override().await?)) })
+    }
     /// Insert an ISO (by URL the BMC downloads) into the system's virtual CD/DVD drive.
     fn insert_media<'a>(&'a self, iso_url: &'a str) -> BmcFuture<'a, ()>;
     /// Eject whatever is in the system's virtual CD/DVD drive.
@@ -151,6 +156,21 @@ pub struct BootOverride {
 impl BootOverride {
     pub fn device(&self) -> Option<BootDevice> {
         self.target.as_deref().and_then(BootDevice::from_redfish)
+    }
+
+    /// What this reading, taken right after a one-time boot from `asked` was set, says about how
+    /// the BMC keeps one-time overrides. Only a reading of the device just asked for counts: a
+    /// BMC that applies the change later (a settings object) shows the old override, which says
+    /// nothing.
+    pub fn once_after_setting(&self, asked: BootDevice) -> Option<BootOnce> {
+        if self.device() != Some(asked) {
+            return None;
+        }
+        match self.enabled.as_deref() {
+            Some("Once") => Some(BootOnce::Honoured),
+            Some("Continuous") => Some(BootOnce::Continuous),
+            _ => None,
+        }
     }
 }
 
@@ -398,6 +418,50 @@ mod tests {
         s.data = Some(data);
         let c = Credentials::from_secret(&s).expect("valid");
         assert_eq!(c, Credentials::new("root", "pw"));
+    }
+
+    /// Only a reading of the device just asked for, as Once or Continuous, says anything.
+    #[test]
+    fn how_a_bmc_keeps_a_one_time_override_from_its_read_back() {
+        let read = |target: &str, enabled: &str| BootOverride {
+            target: Some(target.into()),
+            enabled: Some(enabled.into()),
+            mode: None,
+        };
+        let rows = [
+            (
+                "Pxe",
+                "Once",
+                Some(BootOnce::Honoured),
+                "read back as asked",
+            ),
+            (
+                "Pxe",
+                "Continuous",
+                Some(BootOnce::Continuous),
+                "sushy-tools",
+            ),
+            ("Pxe", "Disabled", None, "not applied yet"),
+            (
+                "Hdd",
+                "Continuous",
+                None,
+                "an older override (settings object)",
+            ),
+            ("None", "Once", None, "no target"),
+            ("Pxe", "Sometimes", None, "not a Redfish value"),
+        ];
+        for (target, enabled, want, what) in rows {
+            assert_eq!(
+                read(target, enabled).once_after_setting(BootDevice::Pxe),
+                want,
+                "{what}"
+            );
+        }
+        assert_eq!(
+            BootOverride::default().once_after_setting(BootDevice::Pxe),
+            None
+        );
     }
 
     #[test]

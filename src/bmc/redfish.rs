@@ -21,8 +21,8 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 use super::{
-    Bmc, BmcCapabilities, BmcError, BmcFuture, BootDevice, BootMode, BootOverride, Credentials,
-    HardwareInventory, NicInfo, PowerAction, PowerState, Secret, Unreachable,
+    Bmc, BmcCapabilities, BmcError, BmcFuture, BootDevice, BootMode, BootOnce, BootOverride,
+    Credentials, HardwareInventory, NicInfo, PowerAction, PowerState, Secret, Unreachable,
 };
 
 const SERVICE_ROOT: &str = "/redfish/v1";
@@ -1193,32 +1193,18 @@ impl RedfishBmc {
 
     async fn do_boot_override(&self) -> Result<BootOverride, BmcError> {
         let (_, system, _) = self.get_system().await?;
-        let s = |p: &str| {
-            system
-                .pointer(p)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        };
-        Ok(BootOverride {
-            target: s("/Boot/BootSourceOverrideTarget"),
-            enabled: s("/Boot/BootSourceOverrideEnabled"),
-            mode: s("/Boot/BootSourceOverrideMode").and_then(|m| match m.as_str() {
-                "UEFI" => Some(BootMode::UEFI),
-                "Legacy" => Some(BootMode::Legacy),
-                _ => None,
-            }),
-        })
+        Ok(boot_override_of(&system))
     }
 
     async fn do_power_state(&self) -> Result<PowerState, BmcError> {
         let (_, system, _) = self.get_system().await?;
-        Ok(match system.get("PowerState").and_then(Value::as_str) {
-            Some("On") => PowerState::On,
-            Some("Off") => PowerState::Off,
-            Some("PoweringOn") => PowerState::PoweringOn,
-            Some("PoweringOff") => PowerState::PoweringOff,
-            _ => PowerState::Unknown,
-        })
+        Ok(power_state_of(&system))
+    }
+
+    /// Both from one read of the system.
+    async fn do_power_and_boot_override(&self) -> Result<(PowerState, BootOverride), BmcError> {
+        let (_, system, _) = self.get_system().await?;
+        Ok((power_state_of(&system), boot_override_of(&system)))
     }
 
     async fn do_inventory(&self) -> Result<HardwareInventory, BmcError> {
@@ -1320,6 +1306,11 @@ impl RedfishBmc {
                 .unwrap_or_default()
         };
         let boot_targets = allowed("BootSourceOverrideTarget");
+        // A BMC that lists the override's allowable values without `Once` keeps every override;
+        // otherwise only a one-time boot read back tells (see `BootOnce`).
+        let enabled = allowed("BootSourceOverrideEnabled");
+        let boot_once = (!enabled.is_empty() && !enabled.iter().any(|e| e == "Once"))
+            .then_some(BootOnce::Continuous);
         let mut boot_modes = allowed("BootSourceOverrideMode");
         if boot_modes.is_empty()
             && let Some(mode) = system
@@ -1354,6 +1345,7 @@ impl RedfishBmc {
             etag: Some(reply.header("etag").is_some_and(|e| !e.is_empty())),
             virtual_media: Some(virtual_media),
             cipher_suite: None,
+            boot_once,
         })
     }
 
@@ -1564,6 +1556,9 @@ impl Bmc for RedfishBmc {
     fn boot_override(&self) -> BmcFuture<'_, BootOverride> {
         Box::pin(self.do_boot_override())
     }
+    fn power_and_boot_override(&self) -> BmcFuture<'_, (PowerState, BootOverride)> {
+        Box::pin(self.do_power_and_boot_override())
+    }
     fn insert_media<'a>(&'a self, iso_url: &'a str) -> BmcFuture<'a, ()> {
         Box::pin(self.do_insert_media(iso_url))
     }
@@ -1579,6 +1574,36 @@ impl Bmc for RedfishBmc {
 
     fn logout(&self) -> BmcFuture<'_, ()> {
         Box::pin(RedfishBmc::logout(self))
+    }
+}
+
+/// The boot override a system resource shows.
+fn boot_override_of(system: &Value) -> BootOverride {
+    let s = |p: &str| {
+        system
+            .pointer(p)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    BootOverride {
+        target: s("/Boot/BootSourceOverrideTarget"),
+        enabled: s("/Boot/BootSourceOverrideEnabled"),
+        mode: s("/Boot/BootSourceOverrideMode").and_then(|m| match m.as_str() {
+            "UEFI" => Some(BootMode::UEFI),
+            "Legacy" => Some(BootMode::Legacy),
+            _ => None,
+        }),
+    }
+}
+
+/// The power state a system resource shows.
+fn power_state_of(system: &Value) -> PowerState {
+    match system.get("PowerState").and_then(Value::as_str) {
+        Some("On") => PowerState::On,
+        Some("Off") => PowerState::Off,
+        Some("PoweringOn") => PowerState::PoweringOn,
+        Some("PoweringOff") => PowerState::PoweringOff,
+        _ => PowerState::Unknown,
     }
 }
 

@@ -38,6 +38,10 @@ const ANN_DISK_BOOT_AT: &str = "metalboot.io/disk-boot-at";
 /// Present on a cleaning attempt (`metadata` or `full`): the token boots the deploy agent to wipe
 /// the released host's disks, and serves no NoCloud data and takes no callback.
 const ANN_CLEAN: &str = "metalboot.io/clean";
+/// How the host's BMC kept the one-time network boot the power-on set (`Honoured` or
+/// `Continuous`), when the power-on read it back; the MetalHost controller records it in
+/// `status.bmc.bootOnce`.
+const ANN_BOOT_ONCE: &str = "metalboot.io/boot-once";
 /// Present on a live-mode machine's Secret once it is provisioned: the token is armed for the
 /// n-th network boot after provisioning (a reboot), and rotated after each such boot called back.
 const ANN_BOOT: &str = "metalboot.io/boot";
@@ -135,6 +139,8 @@ pub struct BootRecord {
     /// Set once a live-mode machine is provisioned: which boot after provisioning this token is
     /// armed for (1 = the first reboot).
     pub reboot: Option<u32>,
+    /// How the BMC kept the one-time network boot of the power-on, read back right after it.
+    pub boot_once: Option<crate::api::metalhost::BootOnce>,
     pub resource_version: Option<String>,
 }
 
@@ -292,9 +298,17 @@ pub fn disk_boot_patch(at: jiff::Timestamp) -> serde_json::Value {
     serde_json::json!({"metadata": {"annotations": {ANN_DISK_BOOT_AT: at.to_string()}}})
 }
 
-/// The patch that records when the host was powered on for the current attempt.
-pub fn powered_patch(at: jiff::Timestamp) -> serde_json::Value {
-    serde_json::json!({"metadata": {"annotations": {ANN_POWERED_AT: at.to_string()}}})
+/// The patch that records when the host was powered on for the current attempt, and how the BMC
+/// kept the one-time network boot set for it, when that was read back.
+pub fn powered_patch(
+    at: jiff::Timestamp,
+    boot_once: Option<crate::api::metalhost::BootOnce>,
+) -> serde_json::Value {
+    let mut annotations = serde_json::json!({ANN_POWERED_AT: at.to_string()});
+    if let Some(once) = boot_once {
+        annotations[ANN_BOOT_ONCE] = serde_json::json!(once.to_string());
+    }
+    serde_json::json!({"metadata": {"annotations": annotations}})
 }
 
 /// The same boot Secret for the next attempt: a fresh token, attempt + 1, not yet powered, no
@@ -439,6 +453,12 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
                     .map_err(|_| BootSecretError::Invalid(name.clone(), ANN_BOOT))?,
             ),
         },
+        // A fact about the BMC, not the attempt: an edited value is ignored, never an error.
+        boot_once: match ann.get(ANN_BOOT_ONCE).map(String::as_str) {
+            Some("Honoured") => Some(crate::api::metalhost::BootOnce::Honoured),
+            Some("Continuous") => Some(crate::api::metalhost::BootOnce::Continuous),
+            _ => None,
+        },
         resource_version: secret.metadata.resource_version.clone(),
         secret_name: name,
     })
@@ -482,6 +502,38 @@ mod tests {
         assert_eq!(record.user_data, b"#!/bin/sh\n\x00\xff");
         assert_eq!(record.token.expose().len(), 64);
         assert!(record.callback.is_none());
+    }
+
+    /// The power-on's patch carries how the BMC kept the one-time boot, when it was read back;
+    /// a value edited into something else is ignored, not an unreadable Secret.
+    #[test]
+    fn the_powered_patch_records_how_the_bmc_kept_the_one_time_boot() {
+        use crate::api::metalhost::BootOnce;
+        let patched = |patch: serde_json::Value| {
+            let mut secret = attempt();
+            let annotations = secret
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            for (k, v) in patch["metadata"]["annotations"]
+                .as_object()
+                .into_iter()
+                .flatten()
+            {
+                annotations.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
+            }
+            parse_boot_secret(&secret).expect("parse")
+        };
+        let t = jiff::Timestamp::UNIX_EPOCH;
+        for once in [BootOnce::Honoured, BootOnce::Continuous] {
+            let record = patched(powered_patch(t, Some(once)));
+            assert_eq!(record.boot_once, Some(once));
+            assert_eq!(record.powered_at, Some(t));
+        }
+        assert_eq!(patched(powered_patch(t, None)).boot_once, None);
+        let garbled =
+            patched(serde_json::json!({"metadata": {"annotations": {ANN_BOOT_ONCE: "Twice"}}}));
+        assert_eq!(garbled.boot_once, None);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 
 use crate::api::metalhost::{
-    HardwareInventory, HostErrorType, HostState, MetalHostStatus, PowerState,
+    BootOnce, HardwareInventory, HostErrorType, HostState, MetalHostStatus, PowerState,
 };
 use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
 use crate::bmc::Bmc;
@@ -142,20 +142,32 @@ pub fn desired_state(host: &MetalHost, status: &MetalHostStatus, consumer: Consu
     }
 }
 
-/// What the deploy agent inspected on this host during its consumer's current attempt (kept on
-/// the attempt's boot Secret by the boot service). One store lookup: the boot Secret is named
-/// after the consumer.
-pub fn agent_inspection(
-    host: &MetalHost,
-    boot_secrets: &Store<Secret>,
-) -> Option<HardwareInventory> {
-    let consumer = host.spec.consumer_ref.as_ref()?;
-    let secret = boot_secrets.get(
-        &ObjectRef::new(&crate::boot::tokens::boot_secret_name(&consumer.name))
-            .within(&consumer.namespace),
-    )?;
-    let record = crate::boot::tokens::parse_boot_secret(&secret).ok()?;
-    (record.host == host.name_any()).then_some(record.inspection?)
+/// What the current attempt of this host's consumer learned about the host, from its boot
+/// Secret: the deploy agent's inspection (written by the boot service) and how the BMC kept the
+/// one-time network boot of the power-on (written by the MetalMachine controller).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttemptFacts {
+    pub inspection: Option<HardwareInventory>,
+    pub boot_once: Option<BootOnce>,
+}
+
+/// The [`AttemptFacts`] of this host. One store lookup: the boot Secret is named after the
+/// consumer.
+pub fn attempt_facts(host: &MetalHost, boot_secrets: &Store<Secret>) -> AttemptFacts {
+    let record = host.spec.consumer_ref.as_ref().and_then(|consumer| {
+        let secret = boot_secrets.get(
+            &ObjectRef::new(&crate::boot::tokens::boot_secret_name(&consumer.name))
+                .within(&consumer.namespace),
+        )?;
+        crate::boot::tokens::parse_boot_secret(&secret).ok()
+    });
+    match record {
+        Some(r) if r.host == host.name_any() => AttemptFacts {
+            inspection: r.inspection,
+            boot_once: r.boot_once,
+        },
+        _ => AttemptFacts::default(),
+    }
 }
 
 /// The deploy agent's inspection over what the BMC reported: the agent sees CPUs, memory, disks,
@@ -195,16 +207,22 @@ pub fn merge_inspection(
 }
 
 /// Applies the derived state and what goes with it (error fields, the consumer condition, the
-/// deploy agent's inspection).
+/// deploy agent's inspection, and how the BMC keeps a one-time boot when the probe record does
+/// not say yet).
 fn settle(
     host: &MetalHost,
     mut status: MetalHostStatus,
     consumer: Consumer,
-    inspection: Option<&HardwareInventory>,
+    facts: &AttemptFacts,
     now: &Time,
 ) -> MetalHostStatus {
-    if let Some(agent) = inspection {
+    if let Some(agent) = &facts.inspection {
         status.hardware = Some(merge_inspection(status.hardware.as_ref(), agent));
+    }
+    if let (Some(learned), Some(bmc)) = (facts.boot_once, status.bmc.as_mut())
+        && bmc.boot_once.is_none()
+    {
+        bmc.boot_once = Some(learned);
     }
     let generation = host.metadata.generation;
     let state = desired_state(host, &status, consumer);
@@ -397,7 +415,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
     let interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
-    let inspection = agent_inspection(&host, &ctx.stores.boot_secrets);
+    let facts = attempt_facts(&host, &ctx.stores.boot_secrets);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
     label_secrets_for_move(ctx, &host).await;
     match plan(&host, now.0, interval) {
@@ -462,7 +480,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let failed = result.as_ref().err().cloned();
             let mut status = registration_status(&host, result, &now);
             if failed.is_none() {
-                status = settle(&host, status, consumer, inspection.as_ref(), &now);
+                status = settle(&host, status, consumer, &facts, &now);
             }
             status.conditions.retain(|c| c.type_ != PAUSED);
             write_status(&api, &host, &status).await?;
@@ -551,7 +569,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 ctx.power_requests.forget(&host_key);
             }
             let polled = poll_status(status, host.metadata.generation, power, &now);
-            let status = settle(&host, polled, consumer, inspection.as_ref(), &now);
+            let status = settle(&host, polled, consumer, &facts, &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
@@ -562,7 +580,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             };
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
-            let status = settle(&host, polled, consumer, inspection.as_ref(), &now);
+            let status = settle(&host, polled, consumer, &facts, &now);
             write_status(&api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
@@ -572,7 +590,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 &host,
                 host.status.clone().unwrap_or_default(),
                 consumer,
-                inspection.as_ref(),
+                &facts,
                 &now,
             );
             if status.state != previous_state {
@@ -676,7 +694,8 @@ pub fn controller(
                 &secret.name_any(),
             );
             let namespace = secret.namespace().unwrap_or_default();
-            // A boot Secret wakes its host: the deploy agent's inspection lands there.
+            // A boot Secret wakes its host: the deploy agent's inspection lands there, and how
+            // the BMC kept the power-on's one-time boot.
             if let Some(host) = crate::boot::tokens::boot_secret_host(&secret.metadata) {
                 return vec![ObjectRef::new(host).within(&namespace)];
             }
@@ -899,8 +918,78 @@ mod tests {
         );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
         let status = registration_status(&claimed, Ok((PowerState::On, None, None)), &now);
-        let kept = settle(&claimed, status, Consumer::Provisioned, None, &now);
+        let kept = settle(
+            &claimed,
+            status,
+            Consumer::Provisioned,
+            &AttemptFacts::default(),
+            &now,
+        );
         assert_eq!(kept.state, Some(HostState::Provisioned));
+    }
+
+    /// How the BMC kept the power-on's one-time boot, learned by the MetalMachine controller on
+    /// the boot Secret, fills the probe record's `bootOnce` when it is unknown; a known value
+    /// stays, and without a probe record there is nothing to fill.
+    #[test]
+    fn the_probe_record_learns_how_the_bmc_keeps_a_one_time_boot() {
+        use crate::api::metalhost::BmcCapabilities;
+        let now = Time(at(5));
+        let probed = |once: Option<BootOnce>| {
+            let mut status = registered(HostState::Provisioning, PowerState::On, 0);
+            status.bmc = Some(BmcCapabilities {
+                protocol: "Redfish".into(),
+                boot_once: once,
+                ..Default::default()
+            });
+            status
+        };
+        let mut claimed = host(Some(probed(None)), true);
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
+        let learned = |once| AttemptFacts {
+            inspection: None,
+            boot_once: once,
+        };
+        let rows = [
+            (
+                "unknown, learned Continuous",
+                probed(None),
+                Some(BootOnce::Continuous),
+                Some(BootOnce::Continuous),
+            ),
+            (
+                "unknown, learned Honoured",
+                probed(None),
+                Some(BootOnce::Honoured),
+                Some(BootOnce::Honoured),
+            ),
+            ("unknown, nothing learned", probed(None), None, None),
+            (
+                "known stays",
+                probed(Some(BootOnce::Honoured)),
+                Some(BootOnce::Continuous),
+                Some(BootOnce::Honoured),
+            ),
+        ];
+        for (what, status, fact, want) in rows {
+            let settled = settle(
+                &claimed,
+                status,
+                Consumer::Provisioning,
+                &learned(fact),
+                &now,
+            );
+            assert_eq!(settled.bmc.and_then(|b| b.boot_once), want, "{what}");
+        }
+        let unprobed = registered(HostState::Provisioning, PowerState::On, 0);
+        let settled = settle(
+            &claimed,
+            unprobed,
+            Consumer::Provisioning,
+            &learned(Some(BootOnce::Continuous)),
+            &now,
+        );
+        assert_eq!(settled.bmc, None, "no probe record is made up");
     }
 
     /// One row per rule of `desired_state`.

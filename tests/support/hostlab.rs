@@ -108,17 +108,35 @@ pub async fn credentials(ns: &support::TestNamespace, name: &str, password: &str
 }
 
 impl Lab {
+    /// `host-<i>`: sushy-tools' system `i`, through the recording proxy.
     pub async fn host(&self, i: usize) -> MetalHost {
-        let host = MetalHost::new(
+        self.host_at(
             &format!("host-{i}"),
+            &self.proxy.address(&self.sushy.system_path(i)),
+            &self.sushy.systems[i].macs[0],
+            "bmc-credentials",
+        )
+        .await
+    }
+
+    /// A MetalHost for any BMC: its address, boot MAC and credentials Secret.
+    pub async fn host_at(
+        &self,
+        name: &str,
+        address: &str,
+        mac: &str,
+        credentials_name: &str,
+    ) -> MetalHost {
+        let host = MetalHost::new(
+            name,
             MetalHostSpec {
                 bmc: BmcDetails {
-                    address: self.proxy.address(&self.sushy.system_path(i)),
-                    credentials_name: "bmc-credentials".into(),
+                    address: address.into(),
+                    credentials_name: credentials_name.into(),
                     disable_certificate_verification: None,
                     ca_secret_name: None,
                 },
-                boot_mac_address: self.sushy.systems[i].macs[0].clone(),
+                boot_mac_address: mac.into(),
                 boot_ip_address: None,
                 boot_mode: None,
                 online: true,

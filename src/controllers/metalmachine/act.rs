@@ -222,10 +222,23 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             bmc.set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
-            let power = bmc
-                .power_state()
-                .await
-                .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+            // While the host's record does not say how its BMC keeps a one-time override, the
+            // power read also reads the override back (one request on Redfish, as before).
+            let (power, boot_once) = if super::decide::boot_once_of(target).is_none() {
+                let (power, read) = bmc
+                    .power_and_boot_override()
+                    .await
+                    .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+                let once = read.once_after_setting(BootDevice::Pxe);
+                tracing::info!(host = %host, read = ?read, learned = ?once, "one-time network boot read back");
+                (power, once)
+            } else {
+                let power = bmc
+                    .power_state()
+                    .await
+                    .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
+                (power, None)
+            };
             let (action, said) = if power == PowerState::Off {
                 (PowerAction::On, "powered on")
             } else {
@@ -235,7 +248,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_ons.record(&mm_key, action);
-            let patch = tokens::powered_patch(o.now);
+            let patch = tokens::powered_patch(o.now, boot_once);
             let replaced = record.resource_version.clone();
             patch_from(
                 ctx,

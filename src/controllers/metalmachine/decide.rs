@@ -9,8 +9,8 @@ use kube::ResourceExt;
 
 use crate::agent::wipe::WipeMode;
 use crate::api::common::{MachineAddress, MachineAddressType};
-use crate::api::metalhost::CleaningMode;
 use crate::api::metalhost::PowerState;
+use crate::api::metalhost::{BootOnce, CleaningMode};
 use crate::api::metalmachine::ProvisioningMode;
 use crate::api::metalmachine::{
     HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
@@ -567,24 +567,38 @@ fn decide_provisioned(
         return live_next_boot(o, status, claimed, observed_status.ready, &provider_id);
     }
     let has_boot_secret = !matches!(o.boot, BootObservation::None);
+    // The disk override the restart into the disk set still holds on a BMC that keeps every
+    // override (its probe record says `Continuous`): the boot that called back did not consume
+    // it, so it is not set again.
+    let disk_override_holds = |host: &MetalHost| {
+        boot_once_of(host) == Some(BootOnce::Continuous)
+            && matches!(&o.boot, BootObservation::Record(r) if r.disk_boot_at.is_some())
+    };
     // The boot Secret goes only once the store shows this machine ready: a decision from a store
     // that lags behind can then never see "no Secret, not ready" and boot the host again.
     let step = match (has_boot_secret, observed_status.ready, claimed) {
+        (true, false, Some(host)) if disk_override_holds(host) => Step::Nothing,
         (true, false, Some(host)) => Step::BootFromDisk {
             host: host.name_any(),
         },
         (true, _, _) => Step::DeleteBootSecret,
         (false, _, _) => Step::Nothing,
     };
-    let decision = Decision::new(status, step.clone(), None);
-    match step {
-        Step::BootFromDisk { .. } => decision.noting(
+    let decision = Decision::new(status, step, None);
+    if has_boot_secret && !observed_status.ready && claimed.is_some() {
+        return decision.noting(
             false,
             "Provisioned",
             format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
-        ),
-        _ => decision,
+        );
     }
+    decision
+}
+
+/// How the host's BMC keeps a one-time boot override, as its probe record says (unknown until
+/// the first one-time network boot was read back).
+pub fn boot_once_of(host: &MetalHost) -> Option<BootOnce> {
+    host.status.as_ref()?.bmc.as_ref()?.boot_once
 }
 
 /// A provisioned live-mode host is diskless: every power-on network-boots its OS again, and each
@@ -605,6 +619,10 @@ fn live_next_boot(
         return Decision::new(status, Step::Nothing, None);
     };
     let host_name = host.name_any();
+    // The boot that just called back consumed the one-time network boot, unless the BMC keeps
+    // every override (its probe record says `Continuous`): then the network boot set before
+    // still holds, and is not set again.
+    let netboot_consumed = boot_once_of(host) != Some(BootOnce::Continuous);
     let arm = |netboot| Step::ArmNextBoot {
         host: host_name.clone(),
         netboot,
@@ -619,14 +637,14 @@ fn live_next_boot(
         }
         (_, false) => Decision::new(status, Step::Nothing, None),
         (BootObservation::Record(r), true) => match (r.reboot, &r.callback) {
-            (None, _) => Decision::new(status, arm(true), None),
+            (None, _) => Decision::new(status, arm(netboot_consumed), None),
             (Some(boot), Some(callback)) => {
                 let name = callback
                     .hostname
                     .as_deref()
                     .map(|h| format!(" as {h}"))
                     .unwrap_or_default();
-                Decision::new(status, arm(true), None).noting(
+                Decision::new(status, arm(netboot_consumed), None).noting(
                     false,
                     "HostRebooted",
                     format!(
@@ -1323,6 +1341,7 @@ mod tests {
             disk_boot_at: None,
             clean: None,
             reboot: None,
+            boot_once: None,
             resource_version: Some("5".into()),
         }
     }
@@ -1760,6 +1779,125 @@ mod tests {
         let d = decide(&stale, &policy());
         assert_eq!(d.step, Step::Nothing, "never power from a stale view");
         assert_eq!(d.status, stale.mm.status.clone().unwrap_or_default());
+    }
+
+    /// The strategy chosen from the host's probe record (`status.bmc.bootOnce`): after a boot
+    /// called back, an override is set again only where that boot consumed it. A BMC that keeps
+    /// every override (`Continuous`, as sushy-tools) still holds the network boot of a live-mode
+    /// host and the disk boot of an image-mode host's restart, so it gets no request; a BMC that
+    /// honours `Once`, or one not known yet, gets the override as before.
+    #[test]
+    fn the_probe_record_decides_whether_an_override_is_set_again_after_a_boot() {
+        use crate::api::metalhost::BmcCapabilities;
+        let provisioned =
+            |mode: ProvisioningMode, ready: bool, record: BootRecord, once: Option<BootOnce>| {
+                let mut o = claimed(observed());
+                let mut h = (*o.hosts[0]).clone();
+                if let Some(status) = h.status.as_mut() {
+                    status.bmc = Some(BmcCapabilities {
+                        protocol: "Redfish".into(),
+                        boot_once: once,
+                        ..Default::default()
+                    });
+                }
+                o.hosts = vec![Arc::new(h)];
+                o.boot = BootObservation::Record(Box::new(record));
+                with_mm(o, |mm| {
+                    mm.spec.mode = mode;
+                    mm.spec.provider_id = Some("metalboot://ns/h1/mm-uid".into());
+                    mm.status = Some(MetalMachineStatus {
+                        ready,
+                        ..Default::default()
+                    });
+                })
+            };
+        let called_back = || record(1, Some(-50), true);
+        let rebooted = || {
+            let mut r = record(1, None, true);
+            r.reboot = Some(1);
+            r
+        };
+        let restarted_into_disk = || {
+            let mut r = record(1, Some(-50), true);
+            r.disk_boot_at = Some(at(-20));
+            r
+        };
+        let arm = |netboot| Step::ArmNextBoot {
+            host: "h1".into(),
+            netboot,
+        };
+        let disk = || Step::BootFromDisk { host: "h1".into() };
+        use BootOnce::{Continuous, Honoured};
+        use ProvisioningMode::{Image, Live};
+        let rows = vec![
+            (
+                "live, provisioning callback, BMC honours Once: the network boot is set again",
+                provisioned(Live, true, called_back(), Some(Honoured)),
+                arm(true),
+                None,
+            ),
+            (
+                "live, provisioning callback, BMC not known yet: set again, as before",
+                provisioned(Live, true, called_back(), None),
+                arm(true),
+                None,
+            ),
+            (
+                "live, provisioning callback, BMC keeps overrides: the power-on's network boot holds",
+                provisioned(Live, true, called_back(), Some(Continuous)),
+                arm(false),
+                None,
+            ),
+            (
+                "live, a reboot called back, BMC honours Once: set again",
+                provisioned(Live, true, rebooted(), Some(Honoured)),
+                arm(true),
+                Some("HostRebooted"),
+            ),
+            (
+                "live, a reboot called back, BMC keeps overrides: still holds",
+                provisioned(Live, true, rebooted(), Some(Continuous)),
+                arm(false),
+                Some("HostRebooted"),
+            ),
+            (
+                "image, the installed OS called back, BMC honours Once: next boot from disk",
+                provisioned(Image, false, restarted_into_disk(), Some(Honoured)),
+                disk(),
+                Some("Provisioned"),
+            ),
+            (
+                "image, BMC not known yet: next boot from disk, as before",
+                provisioned(Image, false, restarted_into_disk(), None),
+                disk(),
+                Some("Provisioned"),
+            ),
+            (
+                "image, BMC keeps overrides: the restart's disk boot holds, no request",
+                provisioned(Image, false, restarted_into_disk(), Some(Continuous)),
+                Step::Nothing,
+                Some("Provisioned"),
+            ),
+            (
+                "image, BMC keeps overrides, but no restart into the disk was recorded: set it",
+                provisioned(Image, false, called_back(), Some(Continuous)),
+                disk(),
+                Some("Provisioned"),
+            ),
+            (
+                "image, store shows ready: the token dies whatever the BMC",
+                provisioned(Image, true, restarted_into_disk(), Some(Continuous)),
+                Step::DeleteBootSecret,
+                None,
+            ),
+        ];
+        for (what, o, want, note) in rows {
+            let d = decide(&o, &policy());
+            assert_eq!(d.step, want, "{what}");
+            assert!(d.status.ready, "{what}: ready");
+            assert_eq!(ready_reason(&d), "Provisioned", "{what}");
+            assert_eq!(d.note.as_ref().map(|n| n.reason), note, "{what}");
+        }
     }
 
     #[test]
