@@ -4,7 +4,8 @@
 //! in an ActionInfo resource, a settings object for the boot mode, task monitors (202 + Location)
 //! for resets, busy answers (503 + Retry-After) on the first request of each verb, the session
 //! login included. Each subcommand's effect is checked at the server. Then how the driver reads
-//! a one-time boot back: with the power state, in one request.
+//! a one-time boot back (with the power state, one request) and what it does for a BMC that
+//! offers no `Once`.
 
 #[path = "support/replay.rs"]
 mod replay;
@@ -202,4 +203,48 @@ async fn the_override_is_read_back_with_the_power_state_in_one_request() {
         Some(BootOnce::Honoured)
     );
     bmc.logout().await.expect("logout");
+}
+
+/// A BMC whose override offers no `Once` (allowable values `Continuous`, `Disabled`; a `Once`
+/// is refused): the probe says so without writing (`bootOnce: Continuous`), the driver asks for
+/// the override it keeps, and `metalboot bmc boot-once` says what the BMC does with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bmc_that_offers_no_once_gets_the_override_it_keeps() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let password = dir.path().join("password");
+    std::fs::write(&password, replay::PASSWORD).expect("password file");
+    let personality = replay::Personality {
+        name: "generic (sushy samples), no Once offered",
+        dir: "sushy",
+        system_key: None,
+        behaviour: replay::Behaviour {
+            once_not_offered: true,
+            ..Default::default()
+        },
+    };
+    let server = replay::start(&personality).await;
+    let (ok, json, all) = bmc(&server, &password, &["probe"]);
+    assert!(ok, "{all}");
+    let probe: serde_json::Value = serde_json::from_str(&json).expect("probe JSON");
+    assert_eq!(probe["bootOnce"], "Continuous", "{probe}");
+    let (ok, text, all) = bmc_as(&server, &password, "text", &["probe"]);
+    assert!(ok, "{all}");
+    println!("{}: metalboot bmc probe\n{text}", personality.name);
+    assert!(text.contains("\nboot once:      Continuous"), "{text}");
+
+    let (ok, text, all) = bmc_as(&server, &password, "text", &["boot-once", "pxe"]);
+    assert!(ok, "{all}");
+    println!("{}: metalboot bmc boot-once pxe\n{text}", personality.name);
+    assert!(text.contains("(bootOnce: Continuous)"), "{text}");
+    let boot = server.boot();
+    assert_eq!(boot["BootSourceOverrideTarget"], "Pxe", "{boot}");
+    assert_eq!(boot["BootSourceOverrideEnabled"], "Continuous", "{boot}");
+    assert!(
+        !server
+            .log()
+            .iter()
+            .any(|(m, _, s)| m == "PATCH" && *s == 400),
+        "no Once was sent: {:?}",
+        server.log()
+    );
 }

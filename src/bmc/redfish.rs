@@ -1094,6 +1094,17 @@ impl RedfishBmc {
             // apply at the next reset, as the BMC wants (iDRAC: the override mode); the rest go
             // to the system itself.
             let mut boot = boot.clone();
+            // A BMC that offers no `Once` refuses it: it gets the override it keeps anyway
+            // (its probe says `bootOnce: Continuous`).
+            if let Some(allowed) = system
+                .pointer("/Boot/BootSourceOverrideEnabled@Redfish.AllowableValues")
+                .and_then(Value::as_array)
+                .map(|a| strings(a))
+                && !allowed.iter().any(|a| a == "Once")
+                && allowed.iter().any(|a| a == "Continuous")
+            {
+                boot["BootSourceOverrideEnabled"] = json!("Continuous");
+            }
             if let Some(settings_path) = system
                 .pointer("/@Redfish.Settings/SettingsObject/@odata.id")
                 .and_then(Value::as_str)

@@ -33,6 +33,9 @@ pub struct Behaviour {
     pub settings: Option<&'static str>,
     /// Resets answer 202 with a task monitor that runs for one poll before the power changes.
     pub task_monitor: bool,
+    /// The override's allowable values leave `Once` out (`Continuous`, `Disabled`): a PATCH of
+    /// `Once` is refused, as a value not in the list.
+    pub once_not_offered: bool,
 }
 
 pub struct Personality {
@@ -198,6 +201,10 @@ pub async fn start(p: &Personality) -> Replay {
     {
         system["Boot"]["BootSourceOverrideTarget@Redfish.AllowableValues"] =
             json!(["None", "Pxe", "Hdd", "Cd"]);
+    }
+    if p.behaviour.once_not_offered {
+        system["Boot"]["BootSourceOverrideEnabled@Redfish.AllowableValues"] =
+            json!(["Continuous", "Disabled"]);
     }
     let reset = system
         .pointer("/Actions/#ComputerSystem.Reset")
@@ -459,6 +466,9 @@ fn respond(
             }
             let allowed =
                 i.docs[&system]["Boot"]["BootSourceOverrideTarget@Redfish.AllowableValues"].clone();
+            let enabled_allowed = i.docs[&system]["Boot"]
+                .get("BootSourceOverrideEnabled@Redfish.AllowableValues")
+                .cloned();
             if let Some(boot) = body.get("Boot").and_then(Value::as_object) {
                 if let Some(t) = boot.get("BootSourceOverrideTarget")
                     && !allowed.as_array().is_some_and(|a| a.contains(t))
@@ -467,6 +477,16 @@ fn respond(
                         StatusCode::BAD_REQUEST,
                         "Base.1.8.PropertyValueNotInList",
                         "target not allowed",
+                    );
+                }
+                if let (Some(e), Some(list)) =
+                    (boot.get("BootSourceOverrideEnabled"), &enabled_allowed)
+                    && !list.as_array().is_some_and(|a| a.contains(e))
+                {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "Base.1.8.PropertyValueNotInList",
+                        "BootSourceOverrideEnabled not allowed",
                     );
                 }
                 for (k, v) in boot {
