@@ -631,3 +631,75 @@ pub fn spawn(
         }
     }
 }
+
+/// `cluster-info`'s kubeconfig with every cluster's server set to `server`. kubeadm writes there
+/// the server its own kubeconfig names, which joining hosts may not reach (the lab's is loopback);
+/// once the ConfigMap holds this, kube-controller-manager's bootstrap signer signs it again.
+pub fn cluster_info_for_server(
+    kubeconfig_yaml: &str,
+    server: &str,
+) -> Result<String, ControlPlaneError> {
+    let mut config: Kubeconfig = serde_yaml::from_str(kubeconfig_yaml)
+        .map_err(|e| ControlPlaneError::Kubeconfig(format!("cluster-info: {e}")))?;
+    let mut pointed = 0;
+    for named in &mut config.clusters {
+        if let Some(cluster) = named.cluster.as_mut() {
+            cluster.server = Some(server.to_string());
+            pointed += 1;
+        }
+    }
+    if pointed == 0 {
+        return Err(ControlPlaneError::Kubeconfig(
+            "cluster-info names no cluster".into(),
+        ));
+    }
+    serde_yaml::to_string(&config).map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))
+}
+
+#[cfg(test)]
+mod cluster_info_tests {
+    use super::*;
+
+    /// What `kubeadm init phase bootstrap-token` writes into cluster-info.
+    const KUBEADM_CLUSTER_INFO: &str = "apiVersion: v1
+clusters:
+- cluster:
+    certificate-authority-data: Q0EK
+    server: https://127.0.0.1:6443
+  name: \"\"
+contexts: null
+current-context: \"\"
+kind: Config
+preferences: {}
+users: null
+";
+
+    #[test]
+    fn cluster_info_points_at_the_given_server_and_keeps_the_ca() {
+        /// (server, CA line) the output must show, or words of the error.
+        type Want = Result<(&'static str, &'static str), &'static str>;
+        let rows: &[(&str, Want)] = &[
+            (
+                KUBEADM_CLUSTER_INFO,
+                Ok(("https://10.0.2.2:6443", "certificate-authority-data: Q0EK")),
+            ),
+            (
+                "apiVersion: v1\nkind: Config\nclusters: []\n",
+                Err("no cluster"),
+            ),
+            ("clusters: [", Err("cluster-info:")),
+        ];
+        for (input, want) in rows {
+            let got = cluster_info_for_server(input, "https://10.0.2.2:6443");
+            match (want, got) {
+                (Ok((server, ca)), Ok(out)) => {
+                    assert!(out.contains(&format!("server: {server}")), "{out}");
+                    assert!(out.contains(ca), "{out}");
+                    assert!(!out.contains("127.0.0.1"), "{out}");
+                }
+                (Err(words), Err(e)) => assert!(e.to_string().contains(words), "{e}"),
+                (want, got) => panic!("{input:?}: want {want:?}, got {got:?}"),
+            }
+        }
+    }
+}
