@@ -12,6 +12,8 @@
 //! The guest reaches the boot service and the apiserver, both on loopback, as 10.0.2.2 over QEMU's
 //! user-mode network, which the test makes itself.
 
+#[path = "support/rig.rs"]
+mod rig;
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -142,10 +144,98 @@ networking:
     }
 }
 
+/// Once per test binary: the `kubeadm init` phases, then `cluster-info` pointed at the address the
+/// hosts use. kubeadm writes into it the server its own kubeconfig names (loopback here); the
+/// hosts reach the apiserver as 10.0.2.2, so cluster-info is pointed there, as an operator does
+/// when the endpoint differs, and kube-controller-manager's bootstrap signer signs it again.
+async fn prepare_for_joins(plane: &support::SharedControlPlane, client: &kube::Client) {
+    static PREPARED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    PREPARED
+        .get_or_init(|| async {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let token = random_token();
+            kubeadm_init_phases(plane, &token, dir.path());
+            let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
+            let info = until_signed(client, &token).await;
+            let first = signature(&info, &token);
+            let port = plane.server.rsplit(':').next().expect("port");
+            let mut moved = info.clone();
+            if let Some(kubeconfig) = moved.data.as_mut().and_then(|d| d.get_mut("kubeconfig")) {
+                *kubeconfig = controlplane::cluster_info_for_server(
+                    kubeconfig,
+                    &format!("https://10.0.2.2:{port}"),
+                )
+                .expect("cluster-info kubeconfig");
+            }
+            assert_ne!(moved.data, info.data, "cluster-info names {}", plane.server);
+            public
+                .replace("cluster-info", &Default::default(), &moved)
+                .await
+                .expect("point cluster-info at 10.0.2.2");
+            support::eventually("cluster-info signed again", 120, || async {
+                public
+                    .get_opt("cluster-info")
+                    .await
+                    .ok()
+                    .flatten()
+                    .filter(|cm| signature(cm, &token).is_some() && signature(cm, &token) != first)
+            })
+            .await;
+        })
+        .await;
+}
+
+/// The bootstrap signer's signature of cluster-info for `token`.
+fn signature(cm: &ConfigMap, token: &str) -> Option<String> {
+    let id = token.split('.').next().unwrap_or_default();
+    cm.data
+        .as_ref()
+        .and_then(|d| d.get(&format!("jws-kubeconfig-{id}")))
+        .cloned()
+}
+
+/// Waits until cluster-info carries a signature for `token` (kubeadm join's discovery needs it).
+async fn until_signed(client: &kube::Client, token: &str) -> ConfigMap {
+    let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
+    support::eventually("cluster-info signed for the token", 120, || async {
+        public
+            .get_opt("cluster-info")
+            .await
+            .ok()
+            .flatten()
+            .filter(|cm| signature(cm, token).is_some())
+    })
+    .await
+}
+
+/// A bootstrap token made by the real `kubeadm token create`, valid for `ttl`, and signed into
+/// cluster-info.
+async fn new_token(
+    plane: &support::SharedControlPlane,
+    client: &kube::Client,
+    ttl: &str,
+) -> String {
+    let token = random_token();
+    let out = std::process::Command::new(controlplane::default_bin_dir().join("kubeadm"))
+        .args(["token", "create", &token, "--ttl", ttl])
+        .arg(format!("--kubeconfig={}", plane.kubeconfig_path.display()))
+        .output()
+        .expect("run kubeadm token create");
+    assert!(
+        out.status.success(),
+        "kubeadm token create: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    until_signed(client, &token).await;
+    token
+}
+
 /// The cloud-config CABPK renders for a worker, reduced to what a join needs: the
 /// JoinConfiguration (jinja: node name and provider ID from metalboot's meta-data), kubeadm join,
 /// and the sentinel CABPK's bootstrap script writes once the join succeeded.
-fn join_user_data(endpoint: &str, token: &str, ca_hash: &str) -> String {
+/// `discovery`: how long kubeadm looks for a cluster-info it can trust before it gives up.
+fn join_user_data(endpoint: &str, token: &str, ca_hash: &str, discovery: &str) -> String {
     format!(
         r#"## template: jinja
 #cloud-config
@@ -162,6 +252,8 @@ write_files:
         token: {token}
         caCertHashes:
         - {ca_hash}
+    timeouts:
+      discovery: {discovery}
     nodeRegistration:
       name: '{{{{ ds.meta_data.local_hostname }}}}'
       criSocket: unix:///run/containerd/containerd.sock
@@ -237,49 +329,9 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
     let started = Instant::now();
     let mut timeline: Vec<(&str, Duration)> = Vec::new();
 
-    let token = random_token();
     let port = plane.server.rsplit(':').next().expect("port");
-    kubeadm_init_phases(plane, &token, dir.path());
-    let public: Api<ConfigMap> = Api::namespaced(ns.client.clone(), "kube-public");
-    let token_id = token.split('.').next().expect("token id").to_string();
-    let signature_key = format!("jws-kubeconfig-{token_id}");
-    let signature = |cm: &ConfigMap| {
-        cm.data
-            .as_ref()
-            .and_then(|d| d.get(&signature_key))
-            .cloned()
-    };
-    let info = support::eventually("cluster-info signed for the token", 120, || async {
-        public
-            .get_opt("cluster-info")
-            .await
-            .ok()
-            .flatten()
-            .filter(|cm| signature(cm).is_some())
-    })
-    .await;
-    // kubeadm writes into cluster-info the server its own kubeconfig names (loopback here); the
-    // hosts reach the apiserver as 10.0.2.2, so cluster-info is pointed there, as an operator
-    // does when the endpoint differs, and kube-controller-manager's bootstrap signer signs it again.
-    let first_signature = signature(&info);
-    let mut moved = info.clone();
-    if let Some(kubeconfig) = moved.data.as_mut().and_then(|d| d.get_mut("kubeconfig")) {
-        *kubeconfig = kubeconfig.replace(&plane.server, &format!("https://10.0.2.2:{port}"));
-    }
-    assert_ne!(moved.data, info.data, "cluster-info names {}", plane.server);
-    public
-        .replace("cluster-info", &Default::default(), &moved)
-        .await
-        .expect("point cluster-info at 10.0.2.2");
-    support::eventually("cluster-info signed again", 120, || async {
-        public
-            .get_opt("cluster-info")
-            .await
-            .ok()
-            .flatten()
-            .filter(|cm| signature(cm).is_some() && signature(cm) != first_signature)
-    })
-    .await;
+    prepare_for_joins(plane, &ns.client).await;
+    let token = new_token(plane, &ns.client, "2h").await;
     timeline.push(("control plane ready for joins", started.elapsed()));
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -303,8 +355,8 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
     let app = router(state.clone()).nest("/artifacts", artifacts_router(live.clone()));
     tokio::spawn(serve(listener, app, HttpLimits::default()));
 
-    let host = "host-0";
-    create_host(&ns.client, &ns.name, host, "52:54:00:12:34:56").await;
+    let host = "direct-0";
+    create_host(&ns.client, &ns.name, host, "52:54:00:12:34:57").await;
     let profile = metalboot::api::metalmachine::BootProfile {
         kernel: "live/vmlinuz".into(),
         initrds: vec!["live/initrd.img".into()],
@@ -325,6 +377,7 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
         &format!("10.0.2.2:{port}"),
         &token,
         &ca_cert_hash(&plane.ca_pem, dir.path()),
+        "5m0s",
     );
     let record =
         create_boot_secret(&ns.client, &ns.name, &machine, host, user_data.as_bytes()).await;
@@ -423,5 +476,154 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
     println!(
         "Node {host}: providerID {}, kubelet {}, runtime {}, {addresses:?}",
         record.provider_id, info.kubelet_version, info.container_runtime_version
+    );
+}
+
+/// The whole manager (controllers, boot service) with one QEMU host behind the lab's virtual BMC,
+/// in live mode: the MetalMachine claims the host, powers it on over Redfish for a network boot,
+/// real iPXE boots the live Debian, whose real cloud-init runs the kubeadm join cloud-config; the
+/// kubelet's Node carries the providerID metalboot sets on the MetalMachine once the vendor-data
+/// called back, and becomes Ready.
+#[tokio::test]
+async fn the_manager_provisions_a_host_that_joins_as_a_ready_node() {
+    let plane = support::join_ready_control_plane();
+    let client = support::client().await;
+    let port = plane.server.rsplit(':').next().expect("port");
+    prepare_for_joins(plane, &client).await;
+    let token = new_token(plane, &client, "2h").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let user_data = join_user_data(
+        &format!("10.0.2.2:{port}"),
+        &token,
+        &ca_cert_hash(&plane.ca_pem, dir.path()),
+        "5m0s",
+    );
+    let started = Instant::now();
+    let env = rig::setup(
+        "join-e2e",
+        "52:54:00:6d:62:20",
+        rig::Bootstrap::UserData(user_data),
+        1200,
+        rig::First::Live,
+    )
+    .await;
+    let provisioned = support::eventually_or("the MetalMachine provisioned", 1500, || async {
+        env.machines
+            .get("node")
+            .await
+            .ok()
+            .filter(|m| m.spec.provider_id.is_some())
+    })
+    .await;
+    let Some(provisioned) = provisioned else {
+        let mm = env.machines.get("node").await.ok();
+        panic!(
+            "not provisioned: {:#?}\nconsole:\n{}",
+            mm.and_then(|m| m.status),
+            rig::tail(&rig::console(&env.host), 8000)
+        );
+    };
+    let provisioned_at = started.elapsed();
+    let provider_id = provisioned.spec.provider_id.clone().expect("providerID");
+    let nodes: Api<Node> = Api::all(env.ns.client.clone());
+    let node = support::eventually_or("the Node Ready with the providerID", 300, || async {
+        nodes
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|n| n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(&provider_id))
+            .filter(node_ready)
+    })
+    .await;
+    let Some(node) = node else {
+        panic!(
+            "no Ready Node with providerID {provider_id}\nconsole:\n{}",
+            rig::tail(&rig::console(&env.host), 8000)
+        );
+    };
+    println!(
+        "manager + kubeadm join: MetalMachine provisioned after {:.1} s, Node {} Ready with providerID {provider_id} after {:.1} s",
+        provisioned_at.as_secs_f64(),
+        node.metadata.name.as_deref().unwrap_or_default(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// A join that cannot succeed: the bootstrap token has expired before the host boots. The real
+/// kubeadm finds no cluster-info it can trust and gives up; no sentinel, so metalboot's
+/// vendor-data never calls back; the boot timeout ends the attempt and, with no retries left,
+/// the MetalMachine fails with BootTimeout, never provisioned, and no Node appears.
+#[tokio::test]
+async fn a_join_with_an_expired_token_ends_in_the_boot_timeout() {
+    let plane = support::join_ready_control_plane();
+    let client = support::client().await;
+    let port = plane.server.rsplit(':').next().expect("port");
+    prepare_for_joins(plane, &client).await;
+    let token = new_token(plane, &client, "1s").await;
+    // Expired: the bootstrap signer takes its signature out of cluster-info.
+    let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
+    support::eventually("the expired token's signature gone", 120, || async {
+        public
+            .get_opt("cluster-info")
+            .await
+            .ok()
+            .flatten()
+            .filter(|cm| signature(cm, &token).is_none())
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let user_data = join_user_data(
+        &format!("10.0.2.2:{port}"),
+        &token,
+        &ca_cert_hash(&plane.ca_pem, dir.path()),
+        "45s",
+    );
+    let env = rig::setup(
+        "join-expired",
+        "52:54:00:6d:62:21",
+        rig::Bootstrap::UserData(user_data),
+        600,
+        rig::First::Live,
+    )
+    .await;
+    let (failed, text) = rig::until_failed(&env).await;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(
+        status.failure_reason.as_deref(),
+        Some("BootTimeout"),
+        "{status:?}"
+    );
+    assert!(failed.spec.provider_id.is_none(), "provisioned after all");
+    assert!(
+        text.contains("metalboot-test: kubeadm join starts")
+            && text.contains("error execution phase"),
+        "kubeadm join ran and failed:\n{}",
+        rig::tail(&text, 8000)
+    );
+    assert!(
+        !text.contains("reporting to the boot service"),
+        "vendor-data reported success without the sentinel"
+    );
+    let nodes: Api<Node> = Api::all(env.ns.client.clone());
+    let joined = nodes
+        .list(&Default::default())
+        .await
+        .expect("nodes")
+        .items
+        .into_iter()
+        .filter(|n| {
+            n.spec
+                .as_ref()
+                .and_then(|s| s.provider_id.as_deref())
+                .is_some_and(|id| id.starts_with(&format!("metalboot://{}/", env.ns.name)))
+        })
+        .count();
+    assert_eq!(joined, 0, "a Node registered with an expired token");
+    println!(
+        "expired token: {} — {}",
+        status.failure_reason.unwrap_or_default(),
+        status.failure_message.unwrap_or_default()
     );
 }
