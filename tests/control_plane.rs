@@ -1,6 +1,8 @@
 //! The foundation: a real kube-apiserver built from source, CRDs and custom objects on it, and the
 //! CLI's behaviour when no cluster can be reached.
 
+#[path = "support/kubeadm.rs"]
+mod kubeadm;
 mod support;
 
 use std::time::Duration;
@@ -93,19 +95,6 @@ async fn crd_and_custom_object_lifecycle_on_the_real_apiserver() {
     assert!(gone.is_none(), "Widget still there after delete");
 }
 
-fn pinned_kubernetes_version() -> String {
-    let env = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/hack/control-plane/versions.env"
-    ))
-    .expect("read versions.env");
-    env.lines()
-        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
-        .expect("KUBERNETES_VERSION in versions.env")
-        .trim()
-        .to_string()
-}
-
 #[test]
 fn kubectl_reports_the_pinned_version() {
     let plane = support::control_plane();
@@ -122,7 +111,7 @@ fn kubectl_reports_the_pinned_version() {
         String::from_utf8_lossy(&out.stderr)
     );
     let version: serde_json::Value = serde_json::from_slice(&out.stdout).expect("/version is JSON");
-    assert_eq!(version["gitVersion"], pinned_kubernetes_version());
+    assert_eq!(version["gitVersion"], kubeadm::kubernetes_version());
 }
 
 #[test]
@@ -299,7 +288,6 @@ async fn a_join_ready_control_plane_signs_a_kubelet_csr_made_with_a_bootstrap_to
     };
     use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
     use metalboot::controlplane::{self, ControlPlane, Lifetime};
-    use rand::Rng;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let cp = ControlPlane::start(&controlplane::Options {
@@ -311,65 +299,16 @@ async fn a_join_ready_control_plane_signs_a_kubelet_csr_made_with_a_bootstrap_to
     .await
     .expect("join-ready control plane");
     let admin = cp.client().await.expect("admin client");
-    let port = cp.server.rsplit(':').next().expect("port").to_string();
 
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut rng = rand::rng();
-    let mut pick = |n: usize| -> String {
-        (0..n)
-            .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
-            .collect()
-    };
-    let (token_id, token_secret) = (pick(6), pick(16));
-    let token = format!("{token_id}.{token_secret}");
-    // kubeadm refuses a loopback advertise address; the lab's hosts reach the apiserver at the
-    // QEMU host address, which its certificate names. The phases below connect through the
-    // admin kubeconfig (loopback), never to this address.
-    let config = dir.path().join("kubeadm.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "apiVersion: kubeadm.k8s.io/v1beta4
-kind: InitConfiguration
-bootstrapTokens:
-- token: {token}
-  ttl: 1h0m0s
-  groups: [system:bootstrappers:kubeadm:default-node-token]
-  usages: [signing, authentication]
-localAPIEndpoint:
-  advertiseAddress: 10.0.2.2
-  bindPort: {port}
-nodeRegistration:
-  name: control-plane
-  criSocket: unix:///run/containerd/containerd.sock
----
-apiVersion: kubeadm.k8s.io/v1beta4
-kind: ClusterConfiguration
-kubernetesVersion: {version}
-controlPlaneEndpoint: 127.0.0.1:{port}
-",
-            version = pinned_kubernetes_version(),
-        ),
-    )
-    .expect("kubeadm config");
-    let kubeadm = controlplane::default_bin_dir().join("kubeadm");
-    for phase in [
-        &["init", "phase", "upload-config", "all"][..],
-        &["init", "phase", "bootstrap-token"][..],
-    ] {
-        let out = std::process::Command::new(&kubeadm)
-            .args(phase)
-            .arg(format!("--config={}", config.display()))
-            .arg(format!("--kubeconfig={}", cp.kubeconfig_path.display()))
-            .output()
-            .expect("run kubeadm");
-        assert!(
-            out.status.success(),
-            "kubeadm {phase:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let token = kubeadm::random_token();
+    let token_id = token.split('.').next().expect("token id").to_string();
+    kubeadm::init_phases(
+        &cp.kubeconfig_path,
+        &cp.server,
+        &token,
+        "127.0.0.1",
+        dir.path(),
+    );
 
     // kube-controller-manager's bootstrap signer signs cluster-info with the token.
     let public: Api<ConfigMap> = Api::namespaced(admin.clone(), "kube-public");

@@ -12,6 +12,8 @@
 //! The guest reaches the boot service and the apiserver, both on loopback, as 10.0.2.2 over QEMU's
 //! user-mode network, which the test makes itself.
 
+#[path = "support/kubeadm.rs"]
+mod kubeadm;
 #[path = "support/rig.rs"]
 mod rig;
 mod support;
@@ -45,30 +47,6 @@ fn live_dir() -> PathBuf {
     dir
 }
 
-fn kubernetes_version() -> String {
-    let env = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("hack/control-plane/versions.env"),
-    )
-    .expect("versions.env");
-    env.lines()
-        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
-        .expect("KUBERNETES_VERSION")
-        .trim()
-        .to_string()
-}
-
-fn random_token() -> String {
-    use rand::Rng;
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut rng = rand::rng();
-    let mut pick = |n: usize| -> String {
-        (0..n)
-            .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
-            .collect()
-    };
-    format!("{}.{}", pick(6), pick(16))
-}
-
 /// kubeadm's `--discovery-token-ca-cert-hash`: sha256 of the CA's SubjectPublicKeyInfo.
 fn ca_cert_hash(ca_pem: &str, dir: &Path) -> String {
     let ca = dir.join("ca.crt");
@@ -91,59 +69,6 @@ fn ca_cert_hash(ca_pem: &str, dir: &Path) -> String {
     format!("sha256:{hex}")
 }
 
-/// What `kubeadm init` leaves for joining nodes on a control plane: the kubeadm and kubelet
-/// ConfigMaps, the bootstrap token with its RBAC, `cluster-info` naming the endpoint the hosts use.
-fn kubeadm_init_phases(plane: &support::SharedControlPlane, token: &str, dir: &Path) {
-    let port = plane.server.rsplit(':').next().expect("port");
-    let config = dir.join("kubeadm.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "apiVersion: kubeadm.k8s.io/v1beta4
-kind: InitConfiguration
-bootstrapTokens:
-- token: {token}
-  ttl: 2h0m0s
-  groups: [system:bootstrappers:kubeadm:default-node-token]
-  usages: [signing, authentication]
-localAPIEndpoint:
-  advertiseAddress: 10.0.2.2
-  bindPort: {port}
-nodeRegistration:
-  name: control-plane
-  criSocket: unix:///run/containerd/containerd.sock
----
-apiVersion: kubeadm.k8s.io/v1beta4
-kind: ClusterConfiguration
-kubernetesVersion: {version}
-controlPlaneEndpoint: 10.0.2.2:{port}
-networking:
-  podSubnet: 10.244.0.0/16
-",
-            version = kubernetes_version(),
-        ),
-    )
-    .expect("kubeadm config");
-    let kubeadm = controlplane::default_bin_dir().join("kubeadm");
-    for phase in [
-        &["init", "phase", "upload-config", "all"][..],
-        &["init", "phase", "bootstrap-token"][..],
-    ] {
-        let out = std::process::Command::new(&kubeadm)
-            .args(phase)
-            .arg(format!("--config={}", config.display()))
-            .arg(format!("--kubeconfig={}", plane.kubeconfig_path.display()))
-            .output()
-            .expect("run kubeadm");
-        assert!(
-            out.status.success(),
-            "kubeadm {phase:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
 /// Once per test binary: the `kubeadm init` phases, then `cluster-info` pointed at the address the
 /// hosts use. kubeadm writes into it the server its own kubeconfig names (loopback here); the
 /// hosts reach the apiserver as 10.0.2.2, so cluster-info is pointed there, as an operator does
@@ -153,8 +78,14 @@ async fn prepare_for_joins(plane: &support::SharedControlPlane, client: &kube::C
     PREPARED
         .get_or_init(|| async {
             let dir = tempfile::tempdir().expect("tempdir");
-            let token = random_token();
-            kubeadm_init_phases(plane, &token, dir.path());
+            let token = kubeadm::random_token();
+            kubeadm::init_phases(
+                &plane.kubeconfig_path,
+                &plane.server,
+                &token,
+                "10.0.2.2",
+                dir.path(),
+            );
             let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
             let info = until_signed(client, &token).await;
             let first = signature(&info, &token);
@@ -215,7 +146,7 @@ async fn new_token(
     client: &kube::Client,
     ttl: &str,
 ) -> String {
-    let token = random_token();
+    let token = kubeadm::random_token();
     let out = std::process::Command::new(controlplane::default_bin_dir().join("kubeadm"))
         .args(["token", "create", &token, "--ttl", ttl])
         .arg(format!("--kubeconfig={}", plane.kubeconfig_path.display()))
@@ -439,7 +370,7 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
         .as_ref()
         .and_then(|s| s.node_info.as_ref())
         .expect("nodeInfo");
-    assert_eq!(info.kubelet_version, kubernetes_version());
+    assert_eq!(info.kubelet_version, kubeadm::kubernetes_version());
     assert!(
         info.container_runtime_version.starts_with("containerd://"),
         "{}",

@@ -1,0 +1,88 @@
+//! What `kubeadm init` leaves on a control plane for joining nodes, made by the real kubeadm
+//! phases against a join-ready test control plane. Used by `control_plane` and `kubeadm_join`.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+/// The Kubernetes release the control plane, kubeadm and kubelet are built from.
+pub fn kubernetes_version() -> String {
+    let env = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/hack/control-plane/versions.env"
+    ))
+    .expect("read versions.env");
+    env.lines()
+        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
+        .expect("KUBERNETES_VERSION in versions.env")
+        .trim()
+        .to_string()
+}
+
+/// A bootstrap token in kubeadm's form, `[a-z0-9]{6}.[a-z0-9]{16}`.
+pub fn random_token() -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let mut pick = |n: usize| -> String {
+        (0..n)
+            .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+            .collect()
+    };
+    format!("{}.{}", pick(6), pick(16))
+}
+
+/// `kubeadm init phase upload-config all` and `kubeadm init phase bootstrap-token` through the
+/// admin `kubeconfig`: the kubeadm and kubelet ConfigMaps, `token` with its RBAC, and
+/// `cluster-info`. kubeadm refuses a loopback advertise address, so it names 10.0.2.2 (the QEMU
+/// host address lab hosts use, which the apiserver's certificate names); the phases connect
+/// through the kubeconfig only. `endpoint_host`: the control-plane endpoint's host.
+pub fn init_phases(kubeconfig: &Path, server: &str, token: &str, endpoint_host: &str, dir: &Path) {
+    let port = server.rsplit(':').next().expect("port");
+    let config = dir.join("kubeadm.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubeadm.k8s.io/v1beta4
+kind: InitConfiguration
+bootstrapTokens:
+- token: {token}
+  ttl: 2h0m0s
+  groups: [system:bootstrappers:kubeadm:default-node-token]
+  usages: [signing, authentication]
+localAPIEndpoint:
+  advertiseAddress: 10.0.2.2
+  bindPort: {port}
+nodeRegistration:
+  name: control-plane
+  criSocket: unix:///run/containerd/containerd.sock
+---
+apiVersion: kubeadm.k8s.io/v1beta4
+kind: ClusterConfiguration
+kubernetesVersion: {version}
+controlPlaneEndpoint: {endpoint_host}:{port}
+networking:
+  podSubnet: 10.244.0.0/16
+",
+            version = kubernetes_version(),
+        ),
+    )
+    .expect("kubeadm config");
+    let kubeadm = metalboot::controlplane::default_bin_dir().join("kubeadm");
+    for phase in [
+        &["init", "phase", "upload-config", "all"][..],
+        &["init", "phase", "bootstrap-token"][..],
+    ] {
+        let out = std::process::Command::new(&kubeadm)
+            .args(phase)
+            .arg(format!("--config={}", config.display()))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .output()
+            .expect("run kubeadm");
+        assert!(
+            out.status.success(),
+            "kubeadm {phase:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
