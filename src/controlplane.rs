@@ -59,6 +59,8 @@ pub enum ControlPlaneError {
     Kubeconfig(String),
     #[error("no control plane recorded in {0} (nothing to stop)")]
     NothingToStop(PathBuf),
+    #[error("preparing the control plane for kubeadm joins: {0}")]
+    Joins(String),
 }
 
 fn io_err<'a>(
@@ -173,6 +175,9 @@ impl ControlPlane {
                 IpAddr::V4(Ipv4Addr::LOCALHOST),
                 IpAddr::V6(Ipv6Addr::LOCALHOST),
                 IpAddr::V4(QEMU_HOST_ADDRESS),
+                // The lab bridge: bridged lab hosts reach the apiserver there, through a relay
+                // that passes TLS through (`lab::relay::serve_tcp`).
+                IpAddr::V4(crate::lab::net::BOOT_IP),
                 IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
             ],
         )?;
@@ -630,6 +635,129 @@ pub fn spawn(
             command.spawn().map_err(io_err("starting", Path::new(name)))
         }
     }
+}
+
+/// What `kubeadm init` leaves on a control plane for joining nodes, made by the real kubeadm's
+/// phases through the admin `kubeconfig`: `upload-config all` (the kubeadm and kubelet
+/// ConfigMaps) and `bootstrap-token` (the RBAC that lets bootstrap tokens join and
+/// `cluster-info`), then `cluster-info` pointed at `endpoint`, where joining hosts reach the
+/// apiserver. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2 (the phases
+/// connect through the kubeconfig only). The phases need one token; it lives 15 minutes and is
+/// what shows that kube-controller-manager signed the moved `cluster-info` again.
+pub async fn prepare_for_joins(
+    client: &kube::Client,
+    bin_dir: &Path,
+    kubeconfig: &Path,
+    endpoint: (&str, u16),
+    kubernetes_version: &str,
+    dir: &Path,
+) -> Result<(), ControlPlaneError> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::Api;
+
+    let fail = |what: &str| ControlPlaneError::Joins(what.to_string());
+    let (host, port) = endpoint;
+    let token = crate::boot::tokens::Token::mint();
+    // kubeadm's token form: [a-z0-9]{6}.[a-z0-9]{16}.
+    let alphabet: String = token
+        .expose()
+        .chars()
+        .map(|c| c.to_ascii_lowercase())
+        .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        .collect();
+    if alphabet.len() < 22 {
+        return Err(fail("a minted token is too short for a kubeadm token"));
+    }
+    let token = format!("{}.{}", &alphabet[..6], &alphabet[6..22]);
+    let token_id = &token[..6];
+    let config = dir.join("kubeadm-init.yaml");
+    let text = format!(
+        "apiVersion: kubeadm.k8s.io/v1beta4
+kind: InitConfiguration
+bootstrapTokens:
+- token: {token}
+  ttl: 15m0s
+  groups: [system:bootstrappers:kubeadm:default-node-token]
+  usages: [signing, authentication]
+localAPIEndpoint:
+  advertiseAddress: {QEMU_HOST_ADDRESS}
+nodeRegistration:
+  name: control-plane
+  criSocket: unix:///run/containerd/containerd.sock
+---
+apiVersion: kubeadm.k8s.io/v1beta4
+kind: ClusterConfiguration
+kubernetesVersion: {kubernetes_version}
+controlPlaneEndpoint: {host}:{port}
+networking:
+  podSubnet: 10.244.0.0/16
+"
+    );
+    fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+    fs::write(&config, text).map_err(io_err("writing", &config))?;
+    let kubeadm = bin_dir.join("kubeadm");
+    for phase in [
+        &["init", "phase", "upload-config", "all"][..],
+        &["init", "phase", "bootstrap-token"][..],
+    ] {
+        let out = Command::new(&kubeadm)
+            .args(phase)
+            .arg(format!("--config={}", config.display()))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .output()
+            .map_err(io_err("running", &kubeadm))?;
+        if !out.status.success() {
+            return Err(ControlPlaneError::Joins(format!(
+                "kubeadm {}: {}{}",
+                phase.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+    }
+
+    let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
+    let signature = |cm: &ConfigMap| -> Option<String> {
+        cm.data
+            .as_ref()
+            .and_then(|d| d.get(&format!("jws-kubeconfig-{token_id}")))
+            .cloned()
+    };
+    // Signed by kube-controller-manager's bootstrap signer, then moved, then signed again.
+    let signed = |previous: Option<String>| {
+        let public = public.clone();
+        async move {
+            for _ in 0..240 {
+                if let Ok(Some(cm)) = public.get_opt("cluster-info").await
+                    && signature(&cm).is_some()
+                    && signature(&cm) != previous
+                {
+                    return Ok(cm);
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(ControlPlaneError::Joins(
+                "kube-controller-manager did not sign cluster-info within 2 minutes".into(),
+            ))
+        }
+    };
+    let info = signed(None).await?;
+    let first = signature(&info);
+    let mut moved = info.clone();
+    let kubeconfig_yaml = moved
+        .data
+        .as_mut()
+        .and_then(|d| d.get_mut("kubeconfig"))
+        .ok_or_else(|| fail("cluster-info has no kubeconfig"))?;
+    *kubeconfig_yaml = cluster_info_for_server(kubeconfig_yaml, &format!("https://{host}:{port}"))?;
+    if moved.data != info.data {
+        public
+            .replace("cluster-info", &Default::default(), &moved)
+            .await
+            .map_err(|e| ControlPlaneError::Joins(format!("replacing cluster-info: {e}")))?;
+        signed(first).await?;
+    }
+    Ok(())
 }
 
 /// `cluster-info`'s kubeconfig with every cluster's server set to `server`. kubeadm writes there

@@ -47,96 +47,13 @@ fn live_dir() -> PathBuf {
     dir
 }
 
-/// kubeadm's `--discovery-token-ca-cert-hash`: sha256 of the CA's SubjectPublicKeyInfo.
-fn ca_cert_hash(ca_pem: &str, dir: &Path) -> String {
-    let ca = dir.join("ca.crt");
-    std::fs::write(&ca, ca_pem).expect("write CA");
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "openssl x509 -in '{}' -noout -pubkey | openssl pkey -pubin -outform DER | sha256sum",
-            ca.display()
-        ))
-        .output()
-        .expect("openssl");
-    assert!(out.status.success(), "openssl: {out:?}");
-    let hex = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .expect("digest")
-        .to_string();
-    assert_eq!(hex.len(), 64, "sha256 hex: {hex}");
-    format!("sha256:{hex}")
-}
-
-/// Once per test binary: the `kubeadm init` phases, then `cluster-info` pointed at the address the
-/// hosts use. kubeadm writes into it the server its own kubeconfig names (loopback here); the
-/// hosts reach the apiserver as 10.0.2.2, so cluster-info is pointed there, as an operator does
-/// when the endpoint differs, and kube-controller-manager's bootstrap signer signs it again.
+/// Once per test binary: the `kubeadm init` phases and `cluster-info` pointed at the hosts'
+/// address (`kubeadm::prepare_for_joins`).
 async fn prepare_for_joins(plane: &support::SharedControlPlane, client: &kube::Client) {
     static PREPARED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     PREPARED
-        .get_or_init(|| async {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let token = kubeadm::random_token();
-            kubeadm::init_phases(
-                &plane.kubeconfig_path,
-                &plane.server,
-                &token,
-                "10.0.2.2",
-                dir.path(),
-            );
-            let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
-            let info = until_signed(client, &token).await;
-            let first = signature(&info, &token);
-            let port = plane.server.rsplit(':').next().expect("port");
-            let mut moved = info.clone();
-            if let Some(kubeconfig) = moved.data.as_mut().and_then(|d| d.get_mut("kubeconfig")) {
-                *kubeconfig = controlplane::cluster_info_for_server(
-                    kubeconfig,
-                    &format!("https://10.0.2.2:{port}"),
-                )
-                .expect("cluster-info kubeconfig");
-            }
-            assert_ne!(moved.data, info.data, "cluster-info names {}", plane.server);
-            public
-                .replace("cluster-info", &Default::default(), &moved)
-                .await
-                .expect("point cluster-info at 10.0.2.2");
-            support::eventually("cluster-info signed again", 120, || async {
-                public
-                    .get_opt("cluster-info")
-                    .await
-                    .ok()
-                    .flatten()
-                    .filter(|cm| signature(cm, &token).is_some() && signature(cm, &token) != first)
-            })
-            .await;
-        })
+        .get_or_init(|| kubeadm::prepare_for_joins(&plane.kubeconfig_path, &plane.server, client))
         .await;
-}
-
-/// The bootstrap signer's signature of cluster-info for `token`.
-fn signature(cm: &ConfigMap, token: &str) -> Option<String> {
-    let id = token.split('.').next().unwrap_or_default();
-    cm.data
-        .as_ref()
-        .and_then(|d| d.get(&format!("jws-kubeconfig-{id}")))
-        .cloned()
-}
-
-/// Waits until cluster-info carries a signature for `token` (kubeadm join's discovery needs it).
-async fn until_signed(client: &kube::Client, token: &str) -> ConfigMap {
-    let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
-    support::eventually("cluster-info signed for the token", 120, || async {
-        public
-            .get_opt("cluster-info")
-            .await
-            .ok()
-            .flatten()
-            .filter(|cm| signature(cm, token).is_some())
-    })
-    .await
 }
 
 /// A bootstrap token made by the real `kubeadm token create`, valid for `ttl`, and signed into
@@ -158,7 +75,7 @@ async fn new_token(
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    until_signed(client, &token).await;
+    kubeadm::until_signed(client, &token).await;
     token
 }
 
@@ -307,7 +224,7 @@ async fn a_live_host_joins_with_kubeadm_and_its_node_becomes_ready() {
     let user_data = join_user_data(
         &format!("10.0.2.2:{port}"),
         &token,
-        &ca_cert_hash(&plane.ca_pem, dir.path()),
+        &kubeadm::ca_cert_hash(&plane.ca_pem, dir.path()),
         "5m0s",
     );
     let record =
@@ -426,7 +343,7 @@ async fn the_manager_provisions_a_host_that_joins_as_a_ready_node() {
     let user_data = join_user_data(
         &format!("10.0.2.2:{port}"),
         &token,
-        &ca_cert_hash(&plane.ca_pem, dir.path()),
+        &kubeadm::ca_cert_hash(&plane.ca_pem, dir.path()),
         "5m0s",
     );
     let started = Instant::now();
@@ -501,14 +418,14 @@ async fn a_join_with_an_expired_token_ends_in_the_boot_timeout() {
             .await
             .ok()
             .flatten()
-            .filter(|cm| signature(cm, &token).is_none())
+            .filter(|cm| kubeadm::signature(cm, &token).is_none())
     })
     .await;
     let dir = tempfile::tempdir().expect("tempdir");
     let user_data = join_user_data(
         &format!("10.0.2.2:{port}"),
         &token,
-        &ca_cert_hash(&plane.ca_pem, dir.path()),
+        &kubeadm::ca_cert_hash(&plane.ca_pem, dir.path()),
         "45s",
     );
     let env = rig::setup(

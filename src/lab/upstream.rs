@@ -28,9 +28,29 @@ use crate::controlplane::{self, Lifetime};
 /// metalboot's release as the local repository names it.
 pub const METALBOOT_VERSION: &str = concat!("v", env!("CARGO_PKG_VERSION"));
 
-/// Namespaces of the upstream providers whose webhooks run out of cluster (core only; kubeadm's
-/// managers are installed but not run, and nothing here creates kubeadm objects).
-const RUNNING_WEBHOOK_NAMESPACES: &[&str] = &["capi-system"];
+/// An upstream manager this crate runs out of cluster: its binary in the release and the
+/// namespace its webhooks are declared in (their Services have no pods here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamProvider {
+    Core,
+    KubeadmBootstrap,
+}
+
+impl UpstreamProvider {
+    fn binary(self) -> &'static str {
+        match self {
+            UpstreamProvider::Core => "capi-manager",
+            UpstreamProvider::KubeadmBootstrap => "kubeadm-bootstrap-manager",
+        }
+    }
+
+    fn webhook_namespace(self) -> &'static str {
+        match self {
+            UpstreamProvider::Core => "capi-system",
+            UpstreamProvider::KubeadmBootstrap => "capi-kubeadm-bootstrap-system",
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -52,7 +72,7 @@ pub enum UpstreamError {
     },
     #[error("{0}")]
     Invalid(String),
-    #[error("the core manager {0}; its log is {1}")]
+    #[error("the upstream manager: {0}; its log is {1}")]
     Core(String, PathBuf),
 }
 
@@ -293,9 +313,10 @@ pub async fn install_cert_manager_crds(
     Ok(())
 }
 
-/// Every admission and conversion webhook of the running providers, to `https://127.0.0.1:<port>`.
+/// Every admission and conversion webhook served from `namespace`, to `https://127.0.0.1:<port>`.
 pub async fn point_webhooks_at_loopback(
     client: &kube::Client,
+    namespace: &str,
     port: u16,
     ca_pem: &[u8],
 ) -> Result<(), UpstreamError> {
@@ -303,7 +324,7 @@ pub async fn point_webhooks_at_loopback(
         let Some(service) = &config.service else {
             return false;
         };
-        if !RUNNING_WEBHOOK_NAMESPACES.contains(&service.namespace.as_str()) {
+        if service.namespace != namespace {
             return false;
         }
         let path = service.path.clone().unwrap_or_default();
@@ -359,7 +380,7 @@ pub async fn point_webhooks_at_loopback(
         let Some(service) = &webhook.service else {
             continue;
         };
-        if !RUNNING_WEBHOOK_NAMESPACES.contains(&service.namespace.as_str()) {
+        if service.namespace != namespace {
             continue;
         }
         let path = service.path.clone().unwrap_or_default();
@@ -417,22 +438,38 @@ fn free_port() -> Result<u16, UpstreamError> {
         .map_err(io("finding a free port"))
 }
 
-/// The upstream core manager, running out of cluster; killed when dropped (and with this process).
-pub struct CoreManager {
+/// An upstream manager (core, or the kubeadm bootstrap provider), running out of cluster; killed
+/// when dropped (and with this process).
+pub struct UpstreamManager {
     child: Child,
     pub log: PathBuf,
 }
 
-impl CoreManager {
-    /// Starts core against `kubeconfig` with its webhooks on loopback, after pointing the
-    /// installed webhook configurations at them, and waits until it is ready.
+/// Upstream core's manager.
+pub type CoreManager = UpstreamManager;
+
+impl UpstreamManager {
+    /// Starts core against `kubeconfig` (see [`UpstreamManager::start_provider`]).
     pub async fn start(
         client: &kube::Client,
         release: &Release,
         kubeconfig: &Path,
         dir: &Path,
-    ) -> Result<CoreManager, UpstreamError> {
-        let certs = dir.join("webhook-certs");
+    ) -> Result<UpstreamManager, UpstreamError> {
+        Self::start_provider(client, release, UpstreamProvider::Core, kubeconfig, dir).await
+    }
+
+    /// Starts `provider`'s manager against `kubeconfig` with its webhooks on loopback, after
+    /// pointing the installed webhook configurations at them, and waits until it is ready.
+    pub async fn start_provider(
+        client: &kube::Client,
+        release: &Release,
+        provider: UpstreamProvider,
+        kubeconfig: &Path,
+        dir: &Path,
+    ) -> Result<UpstreamManager, UpstreamError> {
+        let binary = provider.binary();
+        let certs = dir.join(format!("{binary}-webhook-certs"));
         std::fs::create_dir_all(&certs).map_err(io(format!("creating {}", certs.display())))?;
         let cert_error =
             |e: rcgen::Error| UpstreamError::Invalid(format!("webhook certificate: {e}"));
@@ -443,11 +480,17 @@ impl CoreManager {
         std::fs::write(certs.join("tls.crt"), &serving.cert_pem).map_err(io("writing tls.crt"))?;
         std::fs::write(certs.join("tls.key"), &serving.key_pem).map_err(io("writing tls.key"))?;
         let webhook_port = free_port()?;
-        point_webhooks_at_loopback(client, webhook_port, ca.cert_pem().as_bytes()).await?;
+        point_webhooks_at_loopback(
+            client,
+            provider.webhook_namespace(),
+            webhook_port,
+            ca.cert_pem().as_bytes(),
+        )
+        .await?;
 
         let health_port = free_port()?;
-        let log = dir.join("capi-manager.log");
-        let mut cmd = Command::new(release.dir.join("bin/capi-manager"));
+        let log = dir.join(format!("{binary}.log"));
+        let mut cmd = Command::new(release.dir.join("bin").join(binary));
         cmd.arg("--kubeconfig")
             .arg(kubeconfig)
             .arg(format!("--webhook-port={webhook_port}"))
@@ -457,15 +500,17 @@ impl CoreManager {
             .arg(format!("--health-addr=127.0.0.1:{health_port}"))
             .env("HTTPS_PROXY", "http://127.0.0.1:9")
             .env("NO_PROXY", "127.0.0.1,localhost");
-        let child = controlplane::spawn("capi-manager", cmd, &log, Lifetime::TiedToThisProcess)
-            .map_err(|e| UpstreamError::Core(format!("did not start: {e}"), log.clone()))?;
-        let mut core = CoreManager { child, log };
+        let child =
+            controlplane::spawn(binary, cmd, &log, Lifetime::TiedToThisProcess).map_err(|e| {
+                UpstreamError::Core(format!("{binary} did not start: {e}"), log.clone())
+            })?;
+        let mut core = UpstreamManager { child, log };
         let http = reqwest::Client::new();
         let ready = format!("http://127.0.0.1:{health_port}/readyz");
         for _ in 0..480 {
             if let Ok(Some(status)) = core.child.try_wait() {
                 return Err(UpstreamError::Core(
-                    format!("exited ({status})"),
+                    format!("{binary} exited ({status})"),
                     core.log.clone(),
                 ));
             }
@@ -480,7 +525,7 @@ impl CoreManager {
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         Err(UpstreamError::Core(
-            "was not ready within 2 minutes".into(),
+            format!("{binary} was not ready within 2 minutes"),
             core.log.clone(),
         ))
     }
@@ -491,7 +536,7 @@ impl CoreManager {
     }
 }
 
-impl Drop for CoreManager {
+impl Drop for UpstreamManager {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -521,4 +566,188 @@ pub async fn install(
     )?;
     let core = CoreManager::start(client, &release, kubeconfig, dir).await?;
     Ok((release, repository, core))
+}
+
+/// The lab's own control plane as Cluster API sees it: a kind that follows the control-plane
+/// contract (v1beta2) for an apiserver that Cluster API does not manage. The lab (or a test)
+/// started that apiserver and ran the `kubeadm init` phases against it, so it is the one that
+/// knows it is initialized and writes the status. `externalManagedControlPlane: true` makes
+/// core treat it as AKS/EKS-like: no control-plane Machines, and a worker's Node may be drained
+/// and deleted when its Machine goes.
+pub const LAB_CONTROL_PLANE_GROUP: &str = "controlplane.lab.metalboot.io";
+pub const LAB_CONTROL_PLANE_KIND: &str = "LabControlPlane";
+
+const LAB_CONTROL_PLANE_CRD: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: labcontrolplanes.controlplane.lab.metalboot.io
+  labels:
+    # Core reads the contract version this kind implements from this label.
+    cluster.x-k8s.io/v1beta2: v1alpha1
+spec:
+  group: controlplane.lab.metalboot.io
+  names:
+    kind: LabControlPlane
+    listKind: LabControlPlaneList
+    plural: labcontrolplanes
+    singular: labcontrolplane
+  scope: Namespaced
+  versions:
+  - name: v1alpha1
+    served: true
+    storage: true
+    subresources:
+      status: {}
+    schema:
+      openAPIV3Schema:
+        type: object
+        properties:
+          spec:
+            type: object
+            properties:
+              controlPlaneEndpoint:
+                type: object
+                properties:
+                  host:
+                    type: string
+                  port:
+                    type: integer
+                    format: int32
+          status:
+            type: object
+            properties:
+              externalManagedControlPlane:
+                type: boolean
+              initialization:
+                type: object
+                properties:
+                  controlPlaneInitialized:
+                    type: boolean
+"#;
+
+/// Installs the `LabControlPlane` kind and waits until it is served.
+pub async fn install_lab_control_plane_crd(client: &kube::Client) -> Result<(), UpstreamError> {
+    let crd: CustomResourceDefinition = serde_yaml::from_str(LAB_CONTROL_PLANE_CRD)
+        .map_err(|e| UpstreamError::Invalid(format!("the LabControlPlane CRD: {e}")))?;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply("metalboot-lab").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .map_err(kube_err(format!("installing {name}")))?;
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        await_condition(crds, &name, conditions::is_crd_established()),
+    )
+    .await
+    .map_err(|_| UpstreamError::Invalid(format!("{name} was not established within 60 s")))?
+    .map_err(|e| UpstreamError::Invalid(format!("watching {name}: {e}")))?;
+    Ok(())
+}
+
+/// Declares the lab's apiserver as cluster `cluster`'s initialized, externally managed control
+/// plane at `host:port` (the address hosts reach it at), and hands Cluster API what it needs to
+/// join workers to it: `<cluster>-ca` (the cluster CA, whose hash goes into every join
+/// configuration) and `<cluster>-kubeconfig` (how core and the kubeadm bootstrap provider reach
+/// the workload cluster: bootstrap tokens, Nodes, drains). The Cluster's `controlPlaneRef` names
+/// `<cluster>` of kind [`LAB_CONTROL_PLANE_KIND`].
+pub async fn declare_lab_control_plane(
+    client: &kube::Client,
+    namespace: &str,
+    cluster: &str,
+    endpoint: (&str, u16),
+    ca: (&str, &str),
+    kubeconfig_yaml: &str,
+) -> Result<(), UpstreamError> {
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let labelled = |name: String, data: Vec<(&str, &str)>| Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name),
+            labels: Some(
+                [(
+                    "cluster.x-k8s.io/cluster-name".to_string(),
+                    cluster.to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        type_: Some("cluster.x-k8s.io/secret".into()),
+        data: Some(
+            data.into_iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    let (ca_cert, ca_key) = ca;
+    for secret in [
+        labelled(
+            format!("{cluster}-ca"),
+            vec![("tls.crt", ca_cert), ("tls.key", ca_key)],
+        ),
+        labelled(
+            format!("{cluster}-kubeconfig"),
+            vec![("value", kubeconfig_yaml)],
+        ),
+    ] {
+        let name = secret.name_any();
+        secrets
+            .patch(
+                &name,
+                &PatchParams::apply("metalboot-lab").force(),
+                &Patch::Apply(&secret),
+            )
+            .await
+            .map_err(kube_err(format!("writing Secret {namespace}/{name}")))?;
+    }
+
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(LAB_CONTROL_PLANE_GROUP, "v1alpha1", LAB_CONTROL_PLANE_KIND),
+        "labcontrolplanes",
+    );
+    let planes: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
+    let (host, port) = endpoint;
+    let object = serde_json::json!({
+        "apiVersion": format!("{LAB_CONTROL_PLANE_GROUP}/v1alpha1"),
+        "kind": LAB_CONTROL_PLANE_KIND,
+        "metadata": {"name": cluster, "namespace": namespace},
+        "spec": {"controlPlaneEndpoint": {"host": host, "port": port}},
+    });
+    planes
+        .patch(
+            cluster,
+            &PatchParams::apply("metalboot-lab").force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "writing LabControlPlane {namespace}/{cluster}"
+        )))?;
+    let status = serde_json::json!({
+        "apiVersion": format!("{LAB_CONTROL_PLANE_GROUP}/v1alpha1"),
+        "kind": LAB_CONTROL_PLANE_KIND,
+        "status": {
+            "externalManagedControlPlane": true,
+            "initialization": {"controlPlaneInitialized": true},
+        },
+    });
+    planes
+        .patch_status(
+            cluster,
+            &PatchParams::apply("metalboot-lab").force(),
+            &Patch::Apply(&status),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "writing LabControlPlane {namespace}/{cluster}'s status"
+        )))?;
+    Ok(())
 }

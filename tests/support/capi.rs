@@ -15,7 +15,9 @@ use std::process::{Command, Output};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::Api;
 use metalboot::controlplane::{self, ControlPlane, Lifetime};
-use metalboot::lab::upstream::{self, CoreManager, LocalRepository, Release};
+use metalboot::lab::upstream::{
+    self, CoreManager, LocalRepository, Release, UpstreamManager, UpstreamProvider,
+};
 use serde::Deserialize;
 
 pub fn project() -> PathBuf {
@@ -38,6 +40,12 @@ pub fn capi_dir() -> PathBuf {
 
 /// An apiserver of the test's own, stopped when dropped.
 pub async fn private_control_plane(name: &str) -> ControlPlane {
+    private_control_plane_with(name, false).await
+}
+
+/// An apiserver of the test's own, join-ready for kubeadm join when asked
+/// (`controlplane::Options::join_ready`), stopped when dropped.
+pub async fn private_control_plane_with(name: &str, join_ready: bool) -> ControlPlane {
     let data_dir = project().join("target/test-control-plane").join(format!(
         "{name}-{}-{:06x}",
         std::process::id(),
@@ -48,7 +56,7 @@ pub async fn private_control_plane(name: &str) -> ControlPlane {
         bin_dir: controlplane::default_bin_dir(),
         data_dir,
         lifetime: Lifetime::TiedToThisProcess,
-        join_ready: false,
+        join_ready,
     })
     .await
     .unwrap_or_else(|e| panic!("private control plane {name}: {e}"))
@@ -130,21 +138,34 @@ pub struct Management {
     pub client: kube::Client,
     pub clusterctl: Clusterctl,
     core: CoreManager,
+    kubeadm_bootstrap: Option<UpstreamManager>,
 }
 
 impl Management {
     pub async fn start(name: &str) -> Management {
-        let plane = private_control_plane(name).await;
+        Self::start_with(name, false).await
+    }
+
+    /// With `kubeadm`: a join-ready apiserver (it is also the workload cluster kubeadm joins),
+    /// and upstream's kubeadm bootstrap provider installed by clusterctl beside metalboot's and
+    /// running out of cluster like core.
+    pub async fn start_with(name: &str, kubeadm: bool) -> Management {
+        let plane = private_control_plane_with(name, kubeadm).await;
         let client = plane.client().await.expect("client");
         install_cert_manager_crds(&client).await;
         let clusterctl = Clusterctl::new(&plane.kubeconfig_path);
+        let bootstrap = if kubeadm {
+            "metalboot,kubeadm"
+        } else {
+            "metalboot"
+        };
         clusterctl.run(
             &[
                 "init",
                 "--infrastructure",
                 "metalboot",
                 "--bootstrap",
-                "metalboot",
+                bootstrap,
             ],
             &[],
         );
@@ -156,16 +177,40 @@ impl Management {
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+        let kubeadm_bootstrap = if kubeadm {
+            Some(
+                UpstreamManager::start_provider(
+                    &client,
+                    &clusterctl.release,
+                    UpstreamProvider::KubeadmBootstrap,
+                    &plane.kubeconfig_path,
+                    clusterctl.dir(),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+            )
+        } else {
+            None
+        };
         Management {
             plane,
             client,
             clusterctl,
             core,
+            kubeadm_bootstrap,
         }
     }
 
     pub fn core_log(&self) -> String {
         self.core.log_tail()
+    }
+
+    /// The kubeadm bootstrap provider's log (empty when it does not run).
+    pub fn kubeadm_bootstrap_log(&self) -> String {
+        self.kubeadm_bootstrap
+            .as_ref()
+            .map(|m| m.log_tail())
+            .unwrap_or_default()
     }
 
     pub async fn namespace(&self, prefix: &str) -> String {

@@ -134,20 +134,36 @@ pub enum TenantOs<'a> {
     Live { base_url: String },
 }
 
-pub async fn setup(
-    prefix: &str,
+/// One rack slot: a QEMU host (a disk in image mode, none in live mode) behind the lab's virtual
+/// BMC, its credentials and MetalHost (labelled `host_labels`), and the manager running
+/// `controllers` with the boot service on a loopback port the host's iPXE is told.
+pub struct Rack {
+    pub host: Arc<QemuHost>,
+    pub bmc_address: String,
+    /// The host's disk file (none is attached in live mode).
+    pub disk: std::path::PathBuf,
+    /// The boot service's port on loopback.
+    pub boot_port: u16,
+    /// The deploy ramdisk, the images and the live system, as served.
+    pub served: std::path::PathBuf,
+    /// The gzip image's checksum.
+    pub checksum: String,
+    pub manager: metalboot::manager::RunningManager,
+    pub work: tempfile::TempDir,
+}
+
+pub async fn rack(
+    client: &kube::Client,
+    namespace: &str,
     mac: &str,
-    bootstrap: impl Into<Bootstrap>,
-    boot_timeout: i32,
-    first: First<'_>,
-) -> Env {
+    live: bool,
+    controllers: metalboot::manager::Controllers,
+    host_labels: &[(&str, &str)],
+) -> Rack {
     metalboot::telemetry::init(
         metalboot::telemetry::LogFormat::Text,
         Some("info,metalboot=debug,kube_runtime=warn"),
     );
-    let ns = support::namespace(prefix).await;
-    install_crds(&ns.client).await;
-    let client = &ns.client;
     let work = tempfile::tempdir().expect("tmp");
     let served = work.path().join("artifacts");
     std::fs::create_dir_all(&served).expect("artifacts dir");
@@ -167,11 +183,7 @@ pub async fn setup(
         uuid: "6d62a1b0-0000-4000-8000-0000000000e2".into(),
         mac: mac.into(),
         // A live system holds its root squashfs (215 MB) in memory, and may run a kubelet.
-        memory_mib: if matches!(first, First::Live) {
-            2048
-        } else {
-            1024
-        },
+        memory_mib: if live { 2048 } else { 1024 },
         network: HostNetwork::User {
             bootfile_url: format!("http://10.0.2.2:{port}/boot.ipxe"),
         },
@@ -179,7 +191,7 @@ pub async fn setup(
         dir: work.path().join("host-0"),
         accel: Accel::Tcg,
         graceful_seconds: 5,
-        disk: matches!(first, First::Image { .. }).then(|| disk.clone()),
+        disk: (!live).then(|| disk.clone()),
     }));
     let bmc = Arc::new(VirtualBmc::new(
         vec![host.clone()],
@@ -189,7 +201,7 @@ pub async fn setup(
     let bmc_port = serve_on_loopback(bmc).await.expect("virtual BMC");
     let bmc_address = format!("redfish+http://127.0.0.1:{bmc_port}/redfish/v1/Systems/host-0");
 
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     secrets
         .create(
             &PostParams::default(),
@@ -207,51 +219,40 @@ pub async fn setup(
         )
         .await
         .expect("credentials");
-    Api::<MetalHost>::namespaced(client.clone(), &ns.name)
-        .create(
-            &PostParams::default(),
-            &MetalHost::new(
-                "host-0",
-                MetalHostSpec {
-                    bmc: BmcDetails {
-                        address: bmc_address.clone(),
-                        credentials_name: "bmc-credentials".into(),
-                        disable_certificate_verification: None,
-                        ca_secret_name: None,
-                    },
-                    boot_mac_address: mac.into(),
-                    boot_ip_address: None,
-                    boot_mode: None,
-                    online: true,
-                    description: None,
-                    consumer_ref: None,
-                    automated_cleaning_mode: None,
-                },
-            ),
-        )
+    let mut metal_host = MetalHost::new(
+        "host-0",
+        MetalHostSpec {
+            bmc: BmcDetails {
+                address: bmc_address.clone(),
+                credentials_name: "bmc-credentials".into(),
+                disable_certificate_verification: None,
+                ca_secret_name: None,
+            },
+            boot_mac_address: mac.into(),
+            boot_ip_address: None,
+            boot_mode: None,
+            online: true,
+            description: None,
+            consumer_ref: None,
+            automated_cleaning_mode: None,
+        },
+    );
+    metal_host.metadata.labels = Some(
+        host_labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    );
+    Api::<MetalHost>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &metal_host)
         .await
         .expect("MetalHost");
 
-    let clusters: Api<Cluster> = Api::namespaced(client.clone(), &ns.name);
-    clusters
-        .create(
-            &PostParams::default(),
-            &Cluster::new("c1", ClusterSpec::default()),
-        )
-        .await
-        .expect("Cluster");
-    clusters
-        .patch_status(
-            "c1",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"status": {"initialization": {"infrastructureProvisioned": true}}})),
-        )
-        .await
-        .expect("Cluster status");
     let manager = metalboot::manager::start(
         client.clone(),
         ManagerOptions {
-            namespace: Some(ns.name.clone()),
+            namespace: Some(namespace.to_string()),
+            controllers,
             boot_http: format!("127.0.0.1:{port}").parse().expect("addr"),
             advertise_url: Some(format!("http://10.0.2.2:{port}")),
             artifacts_dir: Some(served.clone()),
@@ -270,10 +271,72 @@ pub async fn setup(
     )
     .await
     .expect("manager starts");
+    Rack {
+        host,
+        bmc_address,
+        disk,
+        boot_port: port,
+        served,
+        checksum,
+        manager,
+        work,
+    }
+}
 
+/// The live system's boot profile, its root squashfs fetched from the boot service at
+/// `base_url` (as the guest reaches it).
+pub fn live_boot(base_url: &str) -> BootProfile {
+    BootProfile {
+        kernel: "live-vmlinuz".into(),
+        initrds: vec!["live-initrd.img".into()],
+        cmdline: Some(format!(
+            "boot=live fetch={base_url}/artifacts/live-filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0"
+        )),
+    }
+}
+
+pub async fn setup(
+    prefix: &str,
+    mac: &str,
+    bootstrap: impl Into<Bootstrap>,
+    boot_timeout: i32,
+    first: First<'_>,
+) -> Env {
+    let ns = support::namespace(prefix).await;
+    install_crds(&ns.client).await;
+    let client = &ns.client;
+    let live = matches!(first, First::Live);
+    let rack = rack(
+        client,
+        &ns.name,
+        mac,
+        live,
+        metalboot::manager::Controllers::ALL,
+        &[],
+    )
+    .await;
+
+    let clusters: Api<Cluster> = Api::namespaced(client.clone(), &ns.name);
+    clusters
+        .create(
+            &PostParams::default(),
+            &Cluster::new("c1", ClusterSpec::default()),
+        )
+        .await
+        .expect("Cluster");
+    clusters
+        .patch_status(
+            "c1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"initialization": {"infrastructureProvisioned": true}}})),
+        )
+        .await
+        .expect("Cluster status");
+
+    let port = rack.boot_port;
     let os = match first {
         First::Image { checksum_override } => {
-            TenantOs::Image(checksum_override.unwrap_or(&checksum))
+            TenantOs::Image(checksum_override.unwrap_or(&rack.checksum))
         }
         First::Live => TenantOs::Live {
             base_url: format!("http://10.0.2.2:{port}"),
@@ -281,16 +344,17 @@ pub async fn setup(
     };
     add_tenant(client, &ns.name, "node", bootstrap.into(), os, boot_timeout).await;
     let machines: Api<MetalMachine> = Api::namespaced(client.clone(), &ns.name);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     Env {
         ns,
-        host,
-        bmc_address,
+        host: rack.host,
+        bmc_address: rack.bmc_address,
         machines,
         secrets,
-        disk,
+        disk: rack.disk,
         boot_port: port,
-        _manager: manager,
-        _work: work,
+        _manager: rack.manager,
+        _work: rack.work,
     }
 }
 
@@ -382,13 +446,7 @@ pub async fn add_tenant(
         // Debian's live-boot fetches the root squashfs itself: its URL is on the command line.
         TenantOs::Live { base_url } => MetalMachineSpec {
             mode: ProvisioningMode::Live,
-            boot: Some(BootProfile {
-                kernel: "live-vmlinuz".into(),
-                initrds: vec!["live-initrd.img".into()],
-                cmdline: Some(format!(
-                    "boot=live fetch={base_url}/artifacts/live-filesystem.squashfs console=ttyS0,115200n8 net.ifnames=0"
-                )),
-            }),
+            boot: Some(live_boot(&base_url)),
             ..Default::default()
         },
     };
