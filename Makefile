@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps os-image deploy-ramdisk control-plane capi sushy replay test soak lab lab-down crds deploy lint fmt bench bench-scale
+.PHONY: all deps os-image deploy-ramdisk control-plane capi sushy replay test soak lab lab-kubeadm lab-down crds deploy lint fmt bench bench-scale
 
 all: test
 
@@ -45,6 +45,12 @@ soak: deps control-plane sushy
 LAB_ARGS ?=
 lab: deps control-plane capi
 	$(CARGO) run --quiet -- lab up $(LAB_ARGS)
+
+## lab-kubeadm: the lab with kubeadm workers (`metalboot lab up --kubeadm`): upstream core and
+## its kubeadm bootstrap provider render the Machines, which join the lab's apiserver with the
+## real kubeadm, kubelet and containerd on the lab's Debian.
+lab-kubeadm: deps control-plane capi
+	$(CARGO) run --quiet -- lab up --kubeadm $(LAB_ARGS)
 
 lab-down:
 	$(CARGO) run --quiet -- lab down

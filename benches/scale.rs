@@ -242,6 +242,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         boot_timeout_seconds: 600,
         boot_url: boot_url.clone(),
         image: None,
+        kubeadm: false,
     });
     objects
         .base(&[("lab-bmc", password)])

@@ -329,6 +329,11 @@ pub struct LabArgs {
     /// API core installed by clusterctl (the default, which needs `make capi`).
     #[arg(long)]
     pub standalone: bool,
+    /// Kubeadm workers: a MachineDeployment whose Machines upstream's kubeadm bootstrap provider
+    /// (CABPK) renders, joined to the lab's apiserver by the real kubeadm and kubelet on the lab
+    /// Debian (hosts get at least 2 GiB). Upstream mode only.
+    #[arg(long)]
+    pub kubeadm: bool,
     /// `bridged`: the hosts' firmware does real DHCP, PXE and TFTP on a bridge in network
     /// namespaces the lab creates (needs root), with dnsmasq as the site's DHCP server and
     /// metalboot's proxyDHCP; `user`: QEMU's user-mode network. Bridged falls back to user
@@ -403,6 +408,7 @@ impl LabArgs {
                 LabNetworkArg::User => crate::lab::up::NetworkMode::User,
             },
             image_mode: self.os == LabOsArg::Image,
+            kubeadm: self.kubeadm,
         }
     }
 }

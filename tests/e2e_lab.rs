@@ -481,3 +481,123 @@ async fn lab_up_in_image_mode_writes_the_os_to_disk_and_boots_it() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `lab up --kubeadm`: the lab's Machines are a MachineDeployment of kubeadm workers. Upstream
+/// core and upstream's kubeadm bootstrap provider (both installed by clusterctl) drive them;
+/// the host netboots on the bridged network (dnsmasq, proxyDHCP, TFTP, iPXE), the live Debian's
+/// real cloud-init runs CABPK's cloud-config, and the real kubeadm joins the lab's apiserver
+/// through the TLS passthrough relay on the lab bridge. The Machine is Running on a Ready Node
+/// whose providerID the kubelet took from metalboot's meta-data.
+#[tokio::test]
+async fn lab_up_kubeadm_joins_a_real_node() {
+    let _one = ONE_LAB.lock().await;
+    let dir: PathBuf = metalboot::controlplane::project_dir()
+        .join(format!("target/e2e-lab-kubeadm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.to_str().expect("utf-8 path").to_string();
+    let _lab_down = LabDownOnDrop(dir_s.clone());
+    let up = metalboot(&[
+        "lab",
+        "up",
+        "--kubeadm",
+        "--hosts",
+        "1",
+        "--ipmi-hosts",
+        "0",
+        "--dir",
+        &dir_s,
+        "--timeout-seconds",
+        "1200",
+        "--boot-timeout-seconds",
+        "900",
+    ]);
+    let stdout = String::from_utf8_lossy(&up.stdout).into_owned();
+    let state: Option<LabState> = std::fs::read(dir.join("state.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    let serial = state
+        .as_ref()
+        .and_then(|s| s.hosts.first())
+        .and_then(|h| std::fs::read_to_string(&h.serial_log).ok())
+        .unwrap_or_default();
+    assert!(
+        up.status.success(),
+        "lab up --kubeadm failed:\n{stdout}\n{}\nconsole:\n{}\nlab log:\n{}",
+        String::from_utf8_lossy(&up.stderr),
+        &serial[serial.len().saturating_sub(6000)..],
+        std::fs::read_to_string(dir.join("lab.log"))
+            .map(|l| l[l.len().saturating_sub(6000)..].to_string())
+            .unwrap_or_default()
+    );
+    println!("{stdout}");
+    assert!(stdout.contains("all 1 Machines Running"), "{stdout}");
+    let state = state.expect("state.json");
+    assert_eq!(state.network, NetworkMode::Bridged, "the lab fell back");
+    let kubeconfig = kube::config::Kubeconfig::read_from(&state.kubeconfig).expect("kubeconfig");
+    let client = metalboot::controlplane::client_from_kubeconfig(kubeconfig)
+        .await
+        .expect("client");
+    let machine = Api::<Machine>::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await
+        .expect("Machines")
+        .items
+        .pop()
+        .expect("a Machine");
+    let provider_id = machine.spec.provider_id.clone().expect("providerID");
+    assert_eq!(
+        machine
+            .spec
+            .bootstrap
+            .config_ref
+            .as_ref()
+            .map(|r| r.kind.as_str()),
+        Some("KubeadmConfig"),
+        "CABPK renders the Machine's bootstrap data"
+    );
+    // Running needs the Node with the Machine's providerID; Ready follows once the kubelet's
+    // first status with a ready runtime network lands.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = eventually("lab-host-0's Node Ready", 300, || async {
+        nodes
+            .get_opt("lab-host-0")
+            .await
+            .ok()
+            .flatten()
+            .filter(|n| {
+                n.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+    })
+    .await;
+    assert_eq!(
+        node.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
+        Some(provider_id.as_str())
+    );
+    let status = node.status.expect("Node status");
+    let info = status.node_info.expect("nodeInfo");
+    assert!(
+        info.container_runtime_version.starts_with("containerd://"),
+        "{info:?}"
+    );
+    println!(
+        "Node lab-host-0: providerID {provider_id}, kubelet {}, runtime {}, addresses {:?}",
+        info.kubelet_version,
+        info.container_runtime_version,
+        status
+            .addresses
+            .iter()
+            .flatten()
+            .map(|a| format!("{}={}", a.type_, a.address))
+            .collect::<Vec<_>>()
+    );
+    let down = metalboot(&["lab", "down", "--dir", &dir_s]);
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

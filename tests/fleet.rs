@@ -84,6 +84,7 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
         boot_timeout_seconds: 300,
         boot_url: manager.base_url.clone(),
         image: None,
+        kubeadm: false,
     };
     objects
         .base(&[("lab-bmc", password)])

@@ -32,6 +32,18 @@ pub struct LabObjects {
     pub boot_url: String,
     /// `--os image`: the qcow2 image (artifact path, sha256) the deploy agent writes to disk.
     pub image: Option<(String, String)>,
+    /// Kubeadm workers joining the lab's apiserver (`lab up --kubeadm`): the Cluster's control
+    /// plane is the `LabControlPlane` declared beside it, and no kubelet stand-in is set up.
+    pub kubeadm: bool,
+}
+
+/// The Kubernetes release the lab's control plane, kubeadm and kubelet are built from.
+pub fn kubernetes_version() -> &'static str {
+    include_str!("../../hack/control-plane/versions.env")
+        .lines()
+        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
+        .map(str::trim)
+        .unwrap_or("v1.36.3")
 }
 
 /// The lab's kubelet stand-in (a bootstrap command), until a real kubelet joins.
@@ -143,7 +155,43 @@ impl LabObjects {
             ];
             self.secret(name, None, data).await?;
         }
-        // The kubelet stand-in's identity: a ServiceAccount allowed to register Nodes.
+        if !self.kubeadm {
+            self.kubelet_stand_in().await?;
+        }
+        // The workload cluster is this same apiserver (as upstream's envtest does). In kubeadm
+        // mode `upstream::declare_lab_control_plane` wrote this Secret with the CA's.
+        if !self.kubeadm {
+            let labels = BTreeMap::from([(CLUSTER_NAME_LABEL.to_string(), CLUSTER.to_string())]);
+            let kubeconfig = vec![("value", self.kubeconfig.clone().into_bytes())];
+            self.secret(&format!("{CLUSTER}-kubeconfig"), Some(labels), kubeconfig)
+                .await?;
+        }
+        let mut spec = json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalCluster", "name": CLUSTER}});
+        if self.kubeadm {
+            spec["controlPlaneRef"] = json!({"apiGroup": super::upstream::LAB_CONTROL_PLANE_GROUP,
+                "kind": super::upstream::LAB_CONTROL_PLANE_KIND, "name": CLUSTER});
+            spec["clusterNetwork"] = json!({"pods": {"cidrBlocks": ["10.244.0.0/16"]}});
+        }
+        self.apply_json(
+            &self.dynamic("Cluster", "cluster.x-k8s.io", "v1beta2", "clusters"),
+            json!({
+                "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                "metadata": {"name": CLUSTER, "namespace": ns},
+                "spec": spec,
+            }),
+        )
+        .await?;
+        self.apply_json(&self.dynamic("MetalCluster", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalclusters"), json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalCluster",
+            "metadata": {"name": CLUSTER, "namespace": ns, "labels": {CLUSTER_NAME_LABEL: CLUSTER}},
+            "spec": {"controlPlaneEndpoint": {"host": self.endpoint.0, "port": self.endpoint.1}},
+        })).await
+    }
+
+    /// The kubelet stand-in's identity: a ServiceAccount allowed to register Nodes, and its
+    /// token with the relay's address in the `lab-kubelet` Secret.
+    async fn kubelet_stand_in(&self) -> Result<(), LabError> {
+        let ns = &self.namespace;
         let sa: Api<ServiceAccount> = Api::namespaced(self.client.clone(), ns);
         apply(
             &sa,
@@ -232,20 +280,42 @@ impl LabObjects {
             vec![("kubelet.env", kubelet_env.into_bytes())],
         )
         .await?;
-        // The workload cluster is this same apiserver (as upstream's envtest does).
-        let labels = BTreeMap::from([(CLUSTER_NAME_LABEL.to_string(), CLUSTER.to_string())]);
-        let kubeconfig = vec![("value", self.kubeconfig.clone().into_bytes())];
-        self.secret(&format!("{CLUSTER}-kubeconfig"), Some(labels), kubeconfig)
-            .await?;
-        self.apply_json(&self.dynamic("Cluster", "cluster.x-k8s.io", "v1beta2", "clusters"), json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-            "metadata": {"name": CLUSTER, "namespace": ns},
-            "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalCluster", "name": CLUSTER}},
+        Ok(())
+    }
+
+    /// `count` kubeadm workers: a MachineDeployment whose Machines upstream's kubeadm bootstrap
+    /// provider renders from a KubeadmConfigTemplate (node name and provider ID from metalboot's
+    /// meta-data through cloud-init's jinja, as CAPM3's templates do), on MetalMachines of the
+    /// lab's Debian.
+    pub async fn kubeadm_workers(&self, count: u32) -> Result<(), LabError> {
+        let ns = &self.namespace;
+        let name = format!("{CLUSTER}-workers");
+        let mut spec = self.os_spec();
+        spec["bootRetries"] = json!(1);
+        self.apply_json(&self.dynamic("MetalMachineTemplate", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalmachinetemplates"), json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalMachineTemplate",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"template": {"spec": spec}},
         })).await?;
-        self.apply_json(&self.dynamic("MetalCluster", "infrastructure.cluster.x-k8s.io", "v1alpha1", "metalclusters"), json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalCluster",
-            "metadata": {"name": CLUSTER, "namespace": ns, "labels": {CLUSTER_NAME_LABEL: CLUSTER}},
-            "spec": {"controlPlaneEndpoint": {"host": self.endpoint.0, "port": self.endpoint.1}},
+        self.apply_json(&self.dynamic("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io", "v1beta2", "kubeadmconfigtemplates"), json!({
+            "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2", "kind": "KubeadmConfigTemplate",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"template": {"spec": {"joinConfiguration": {"nodeRegistration": {
+                "name": "{{ ds.meta_data.local_hostname }}",
+                "criSocket": "unix:///run/containerd/containerd.sock",
+                "kubeletExtraArgs": [{"name": "provider-id", "value": "{{ ds.meta_data.provider_id }}"}],
+            }}}}},
+        })).await?;
+        self.apply_json(&self.dynamic("MachineDeployment", "cluster.x-k8s.io", "v1beta2", "machinedeployments"), json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"clusterName": CLUSTER, "replicas": count,
+                "selector": {"matchLabels": {"cluster.x-k8s.io/deployment-name": name}},
+                "template": {
+                    "metadata": {"labels": {"cluster.x-k8s.io/deployment-name": name}},
+                    "spec": {"clusterName": CLUSTER, "version": kubernetes_version(),
+                        "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "KubeadmConfigTemplate", "name": name}},
+                        "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachineTemplate", "name": name}}}},
         })).await
     }
 
@@ -317,7 +387,7 @@ impl LabObjects {
         self.apply_json(&self.dynamic("Machine", "cluster.x-k8s.io", "v1beta2", "machines"), json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
             "metadata": {"name": name, "namespace": ns, "labels": labels},
-            "spec": {"clusterName": CLUSTER, "version": "v1.36.3",
+            "spec": {"clusterName": CLUSTER, "version": kubernetes_version(),
                 "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "CloudInitConfig", "name": name}},
                 "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachine", "name": name}},
         })).await

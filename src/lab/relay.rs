@@ -1,7 +1,10 @@
-//! A plain-HTTP relay to the lab's apiserver, on loopback only. The lab OS's busybox `wget`
-//! cannot complete a TLS handshake with Go's TLS stack, so its kubelet stand-in talks plain HTTP
-//! to this relay (10.0.2.2 from the guest), which forwards over verified TLS. The relay adds no
-//! identity: the bearer token the guest got through its bootstrap data is what authorizes.
+//! Relays from where lab hosts are to the lab's apiserver, which listens on loopback.
+//!
+//! - [`serve`]: plain HTTP, for the kubelet stand-in of the standalone lab. The lab OS's busybox
+//!   `wget` cannot complete a TLS handshake with Go's TLS stack, so the stand-in talks plain HTTP
+//!   to this relay, which forwards over verified TLS. The relay adds no identity: the bearer
+//!   token the guest got through its bootstrap data is what authorizes.
+//! - [`serve_tcp`]: TCP passthrough, for real kubelets (`lab up --kubeadm`): TLS end to end.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -84,5 +87,48 @@ async fn forward(State(relay): State<Relay>, request: Request) -> Response {
             response
         }
         Err(e) => (StatusCode::BAD_GATEWAY, format!("relay: {e}\n")).into_response(),
+    }
+}
+
+/// Connections the TLS relay carries at once: a kubelet holds a few (watches), a lab has a
+/// handful of hosts; past this, new connections wait for a slot instead of piling up.
+pub const TCP_RELAY_MAX_CONNECTIONS: usize = 256;
+
+/// A TCP relay to the apiserver for lab hosts running a real kubelet: bytes pass through
+/// unchanged, so TLS runs end to end between the host and the apiserver (whose certificate
+/// names the lab bridge's address) and the relay sees nothing but ciphertext. Serves
+/// `listener` (bound where the hosts reach it) until the process ends.
+pub async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    upstream: std::net::SocketAddr,
+) -> std::io::Result<()> {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(TCP_RELAY_MAX_CONNECTIONS));
+    loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return Ok(());
+        };
+        let (mut inbound, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors, a reset before accept: the relay itself goes on.
+                tracing::warn!(error = %e, "apiserver TLS relay could not accept");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            match tokio::net::TcpStream::connect(upstream).await {
+                Ok(mut outbound) => {
+                    if let Err(e) = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await
+                    {
+                        tracing::debug!(%peer, error = %e, "apiserver TLS relay connection ended");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "apiserver unreachable from the TLS relay")
+                }
+            }
+        });
     }
 }

@@ -48,6 +48,10 @@ pub struct LabOptions {
     /// `--os image`: the deploy agent writes the lab's Debian to each host's disk, instead of
     /// the hosts netbooting it live.
     pub image_mode: bool,
+    /// `--kubeadm`: the Machines are a MachineDeployment of kubeadm workers (upstream's kubeadm
+    /// bootstrap provider renders their data) that join the lab's apiserver with the real
+    /// kubeadm and kubelet, instead of the kubelet stand-in.
+    pub kubeadm: bool,
 }
 
 /// `lab up --simulated-hosts N`: the fleet of [`super::fleet`] on loopback, no QEMU.
@@ -214,11 +218,16 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             )));
         }
     }
+    if opts.kubeadm && (opts.standalone || opts.simulated.is_some()) {
+        return Err(LabError::Setup(
+            "--kubeadm needs upstream Cluster API (not --standalone) and QEMU hosts (not --simulated-hosts)".into(),
+        ));
+    }
     let cp = ControlPlane::start(&controlplane::Options {
         bin_dir: controlplane::default_bin_dir(),
         data_dir: dir.join("control-plane"),
         lifetime: Lifetime::TiedToThisProcess,
-        join_ready: false,
+        join_ready: opts.kubeadm,
     })
     .await?;
     let client = cp.client().await?;
@@ -226,19 +235,21 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     // Provider mode (the default): clusterctl installs upstream core and metalboot's two
     // providers from a local repository, and core runs out of process. Standalone mode installs
     // metalboot's CRDs (with its Cluster and Machine stand-ins) and runs its own controllers.
-    let (_upstream_core, controllers) = if opts.standalone {
+    let (_upstream_managers, controllers) = if opts.standalone {
         crate::api::crdgen::install(&client).await?;
-        (None, crate::manager::Controllers::ALL)
+        (Vec::new(), crate::manager::Controllers::ALL)
     } else {
         let upstream_dir = dir.join("upstream");
         let _ = std::fs::remove_dir_all(&upstream_dir);
         std::fs::create_dir_all(&upstream_dir).map_err(io("creating the upstream directory"))?;
-        let (release, _, core) =
-            super::upstream::install(&client, &cp.kubeconfig_path, &upstream_dir)
+        let (release, _, managers) =
+            super::upstream::install(&client, &cp.kubeconfig_path, &upstream_dir, opts.kubeadm)
                 .await
                 .map_err(|e| LabError::Setup(e.to_string()))?;
-        tracing::info!(version = %release.version, log = %core.log.display(), "upstream Cluster API core installed by clusterctl and running");
-        (Some(core), crate::manager::Controllers::PROVIDERS)
+        for manager in &managers {
+            tracing::info!(version = %release.version, log = %manager.log.display(), "upstream Cluster API provider installed by clusterctl and running");
+        }
+        (managers, crate::manager::Controllers::PROVIDERS)
     };
     let accel = probe_accel(&dir.join("kvm-probe")).await;
     tracing::info!(
@@ -378,7 +389,12 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             name: format!("lab-host-{i}"),
             uuid: format!("6d62a1b0-0000-4000-8000-{i:012x}"),
             mac: mac_of(i),
-            memory_mib: opts.memory_mib,
+            // A kubelet and containerd beside the live root squashfs need more than the stand-in.
+            memory_mib: if opts.kubeadm {
+                opts.memory_mib.max(2048)
+            } else {
+                opts.memory_mib
+            },
             network: host_network,
             firmware: firmware_of(i, mode),
             dir: dir.join("hosts").join(format!("lab-host-{i}")),
@@ -469,15 +485,57 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         .map_err(io("relay address"))?
         .port();
     let (upstream, ca) = (cp.server.clone(), cp.ca_pem.clone());
-    tokio::spawn(async move {
-        if let Err(e) = super::relay::serve(relay_listener, upstream, &ca).await {
-            tracing::error!(error = %e, "apiserver relay stopped");
-        }
-    });
+    // Kubeadm mode: the CA key and kubeconfig Cluster API gets with the LabControlPlane.
+    let mut lab_control_plane: Option<(String, String)> = None;
+    if opts.kubeadm {
+        // Real kubelets: TLS end to end through a passthrough relay, and the control plane
+        // made ready for their joins at the address they use.
+        let api_addr: std::net::SocketAddr = format!("127.0.0.1:{api_port}")
+            .parse()
+            .map_err(|e| LabError::Setup(format!("the apiserver's address: {e}")))?;
+        tokio::spawn(async move {
+            if let Err(e) = super::relay::serve_tcp(relay_listener, api_addr).await {
+                tracing::error!(error = %e, "apiserver TLS relay stopped");
+            }
+        });
+        controlplane::prepare_for_joins(
+            &client,
+            &controlplane::default_bin_dir(),
+            &cp.kubeconfig_path,
+            (&host_side_ip, relay_port),
+            crate::lab::objects::kubernetes_version(),
+            &dir.join("kubeadm"),
+        )
+        .await?;
+        let ca_key_path = cp.data_dir.join("pki/ca.key");
+        let ca_key = std::fs::read_to_string(&ca_key_path)
+            .map_err(io(format!("reading {}", ca_key_path.display())))?;
+        let kubeconfig =
+            serde_yaml::to_string(&cp.kubeconfig).map_err(|e| LabError::Setup(e.to_string()))?;
+        super::upstream::install_lab_control_plane_crd(&client)
+            .await
+            .map_err(|e| LabError::Setup(e.to_string()))?;
+        lab_control_plane = Some((ca_key, kubeconfig));
+    } else {
+        tokio::spawn(async move {
+            if let Err(e) = super::relay::serve(relay_listener, upstream, &ca).await {
+                tracing::error!(error = %e, "apiserver relay stopped");
+            }
+        });
+    }
     let objects = LabObjects {
         client: client.clone(),
         namespace: NAMESPACE.into(),
-        endpoint: (host_side_ip.clone(), api_port.parse().unwrap_or(6443)),
+        // Kubeadm workers join at the relay, which the LabControlPlane names too.
+        endpoint: (
+            host_side_ip.clone(),
+            if opts.kubeadm {
+                i32::from(relay_port)
+            } else {
+                api_port.parse().unwrap_or(6443)
+            },
+        ),
+        kubeadm: opts.kubeadm,
         kubeconfig: serde_yaml::to_string(&cp.kubeconfig)
             .map_err(|e| LabError::Setup(e.to_string()))?,
         kubelet_apiserver: format!("http://{host_side_ip}:{relay_port}"),
@@ -499,6 +557,19 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     objects
         .base(&[("lab-bmc", &bmc_password), ("lab-ipmi", &ipmi_password)])
         .await?;
+    if let Some((ca_key, kubeconfig)) = &lab_control_plane {
+        super::upstream::declare_lab_control_plane(
+            &client,
+            NAMESPACE,
+            CLUSTER,
+            (&host_side_ip, relay_port),
+            (&cp.ca_pem, ca_key),
+            kubeconfig,
+        )
+        .await
+        .map_err(|e| LabError::Setup(e.to_string()))?;
+        tracing::info!(endpoint = %format!("{host_side_ip}:{relay_port}"), "lab control plane declared to Cluster API; ready for kubeadm joins");
+    }
     let what = if fleet.is_some() {
         "simulated"
     } else {
@@ -516,11 +587,15 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         .buffer_unordered(16)
         .try_collect::<Vec<()>>()
         .await?;
-    futures::stream::iter(0..count)
-        .map(|i| objects.machine(i))
-        .buffer_unordered(16)
-        .try_collect::<Vec<()>>()
-        .await?;
+    if opts.kubeadm {
+        objects.kubeadm_workers(count).await?;
+    } else {
+        futures::stream::iter(0..count)
+            .map(|i| objects.machine(i))
+            .buffer_unordered(16)
+            .try_collect::<Vec<()>>()
+            .await?;
+    }
 
     let state = LabState {
         pid: std::process::id(),
@@ -930,6 +1005,7 @@ pub async fn up(opts: LabOptions, timeout: Duration) -> Result<(), LabError> {
         &opts.boot_timeout_seconds.to_string(),
     ])
     .args(opts.standalone.then_some("--standalone"))
+    .args(opts.kubeadm.then_some("--kubeadm"))
     .args(["--ipmi-hosts", &opts.ipmi_hosts.to_string()])
     .args(["--os", if opts.image_mode { "image" } else { "live" }])
     .args([

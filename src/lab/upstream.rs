@@ -544,16 +544,23 @@ impl Drop for UpstreamManager {
 }
 
 /// A management cluster as `clusterctl init --infrastructure metalboot --bootstrap metalboot`
-/// leaves it (cert-manager's CRDs first), with upstream core running.
+/// leaves it (cert-manager's CRDs first), with upstream core running; with `kubeadm`, upstream's
+/// kubeadm bootstrap provider is installed (`--bootstrap metalboot,kubeadm`) and runs too.
 pub async fn install(
     client: &kube::Client,
     kubeconfig: &Path,
     dir: &Path,
-) -> Result<(Release, LocalRepository, CoreManager), UpstreamError> {
+    kubeadm: bool,
+) -> Result<(Release, LocalRepository, Vec<UpstreamManager>), UpstreamError> {
     let release = Release::locate()?;
     let repository =
         write_local_repository(&release, &controlplane::project_dir().join("deploy"), dir)?;
     install_cert_manager_crds(client, &release).await?;
+    let bootstrap = if kubeadm {
+        "metalboot,kubeadm"
+    } else {
+        "metalboot"
+    };
     run(
         "clusterctl init",
         clusterctl(&release, &repository, kubeconfig).args([
@@ -561,11 +568,23 @@ pub async fn install(
             "--infrastructure",
             "metalboot",
             "--bootstrap",
-            "metalboot",
+            bootstrap,
         ]),
     )?;
-    let core = CoreManager::start(client, &release, kubeconfig, dir).await?;
-    Ok((release, repository, core))
+    let mut managers = vec![UpstreamManager::start(client, &release, kubeconfig, dir).await?];
+    if kubeadm {
+        managers.push(
+            UpstreamManager::start_provider(
+                client,
+                &release,
+                UpstreamProvider::KubeadmBootstrap,
+                kubeconfig,
+                dir,
+            )
+            .await?,
+        );
+    }
+    Ok((release, repository, managers))
 }
 
 /// The lab's own control plane as Cluster API sees it: a kind that follows the control-plane
