@@ -13,7 +13,8 @@ use crate::boot::http::{self as boot_http, BootConfig, BootState, BootStores, Ca
 use crate::boot::netns::NetNamespace;
 use crate::controllers::hostbmc::{BmcConnector, RedfishConnector};
 use crate::controllers::{
-    Backoff, Events, cloudinitconfig, cluster, machine, metalcluster, metalhost, metalmachine,
+    Backoff, Events, cloudinitconfig, cluster, existingcontrolplane, machine, metalcluster,
+    metalhost, metalmachine,
 };
 use crate::leader::{self, Leadership, LeaseConfig};
 
@@ -505,6 +506,13 @@ async fn start_infrastructure(
     });
     let cluster_controller =
         metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
+    let control_plane_controller = existingcontrolplane::controller(client.clone(), namespace);
+    let control_plane_ctx = Arc::new(existingcontrolplane::Context {
+        client: client.clone(),
+        clusters: stores.clusters.clone(),
+        backoff: Backoff::default(),
+        watch_filter: watch_filter.clone(),
+    });
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
         hosts: stores.hosts.clone(),
@@ -604,6 +612,10 @@ async fn start_infrastructure(
     running.tasks.push(tokio::spawn(metalcluster::run(
         cluster_controller,
         cluster_ctx,
+    )));
+    running.tasks.push(tokio::spawn(existingcontrolplane::run(
+        control_plane_controller,
+        control_plane_ctx,
     )));
     Ok((app, files))
 }

@@ -8,10 +8,11 @@
 //! meta-data), the real kubeadm joins, the real kubelet on containerd registers the Node, and
 //! metalboot's vendor-data sees CABPK's sentinel and calls back.
 //!
-//! The control plane is the test's own join-ready apiserver (etcd, kube-apiserver,
-//! kube-controller-manager; the `kubeadm init` phases made its tokens' RBAC and `cluster-info`).
-//! Cluster API sees it through `LabControlPlane`, a kind that follows the control-plane contract
-//! for a control plane it does not manage, with `<cluster>-ca` and `<cluster>-kubeconfig`.
+//! The cluster is what `clusterctl generate cluster --flavor kubeadm-workers` renders from
+//! metalboot's shipped flavor. Its control plane is the test's own join-ready apiserver (etcd,
+//! kube-apiserver, kube-controller-manager; the `kubeadm init` phases made its tokens' RBAC and
+//! `cluster-info`), which Cluster API does not manage: the flavor's `ExistingControlPlane`, which
+//! metalboot reports initialized once the test wrote `<cluster>-ca` and `<cluster>-kubeconfig`.
 //! The guest reaches the boot service and the apiserver, both on loopback, as 10.0.2.2 over QEMU's
 //! user-mode network, which the test makes itself.
 
@@ -63,118 +64,48 @@ fn condition<'a>(object: &'a DynamicObject, type_: &str) -> Option<&'a Value> {
         .find(|c| c["type"] == type_)
 }
 
-/// What an operator applies for kubeadm workers on metalboot: the Cluster (its control plane the
-/// lab's apiserver), the MetalCluster, and a MachineDeployment of live-booted workers whose
-/// bootstrap is CABPK's `KubeadmConfigTemplate`, with provider ID and node name from metalboot's
-/// meta-data through cloud-init's jinja, as CAPM3's templates do.
-fn cluster_yaml(
+/// The cluster as an operator gets it: `clusterctl generate cluster --flavor kubeadm-workers`
+/// from metalboot's shipped flavor, for one live-booted worker joining the test's apiserver.
+fn generate_cluster(
+    mgmt: &capi::Management,
     ns: &str,
     endpoint_port: u16,
     boot_base: &str,
-    version: &str,
     discovery_seconds: u32,
     boot_timeout_seconds: u32,
 ) -> String {
     let boot = rig::live_boot(boot_base);
     let cmdline = boot.cmdline.unwrap_or_default();
-    format!(
-        r#"apiVersion: cluster.x-k8s.io/v1beta2
-kind: Cluster
-metadata:
-  name: c1
-  namespace: {ns}
-spec:
-  clusterNetwork:
-    pods:
-      cidrBlocks: [10.244.0.0/16]
-  controlPlaneRef:
-    apiGroup: {cp_group}
-    kind: {cp_kind}
-    name: c1
-  infrastructureRef:
-    apiGroup: infrastructure.cluster.x-k8s.io
-    kind: MetalCluster
-    name: c1
----
-apiVersion: infrastructure.cluster.x-k8s.io/v1alpha1
-kind: MetalCluster
-metadata:
-  name: c1
-  namespace: {ns}
-spec:
-  controlPlaneEndpoint:
-    host: 10.0.2.2
-    port: {endpoint_port}
----
-apiVersion: infrastructure.cluster.x-k8s.io/v1alpha1
-kind: MetalMachineTemplate
-metadata:
-  name: c1-md-0
-  namespace: {ns}
-spec:
-  template:
-    spec:
-      hostSelector:
-        matchLabels:
-          metalboot.io/role: worker
-      mode: live
-      boot:
-        kernel: {kernel}
-        initrds: [{initrd}]
-        cmdline: "{cmdline}"
-      bootTimeoutSeconds: {boot_timeout_seconds}
-      bootRetries: 0
----
-apiVersion: bootstrap.cluster.x-k8s.io/v1beta2
-kind: KubeadmConfigTemplate
-metadata:
-  name: c1-md-0
-  namespace: {ns}
-spec:
-  template:
-    spec:
-      joinConfiguration:
-        nodeRegistration:
-          name: '{{{{ ds.meta_data.local_hostname }}}}'
-          criSocket: unix:///run/containerd/containerd.sock
-          kubeletExtraArgs:
-          - name: provider-id
-            value: '{{{{ ds.meta_data.provider_id }}}}'
-        timeouts:
-          discoverySeconds: {discovery_seconds}
----
-apiVersion: cluster.x-k8s.io/v1beta2
-kind: MachineDeployment
-metadata:
-  name: c1-md-0
-  namespace: {ns}
-spec:
-  clusterName: c1
-  replicas: 1
-  selector:
-    matchLabels:
-      cluster.x-k8s.io/deployment-name: c1-md-0
-  template:
-    metadata:
-      labels:
-        cluster.x-k8s.io/deployment-name: c1-md-0
-    spec:
-      clusterName: c1
-      version: {version}
-      bootstrap:
-        configRef:
-          apiGroup: bootstrap.cluster.x-k8s.io
-          kind: KubeadmConfigTemplate
-          name: c1-md-0
-      infrastructureRef:
-        apiGroup: infrastructure.cluster.x-k8s.io
-        kind: MetalMachineTemplate
-        name: c1-md-0
-"#,
-        cp_group = upstream::LAB_CONTROL_PLANE_GROUP,
-        cp_kind = upstream::LAB_CONTROL_PLANE_KIND,
-        kernel = boot.kernel,
-        initrd = boot.initrds.join(", "),
+    let port = endpoint_port.to_string();
+    let discovery = discovery_seconds.to_string();
+    let timeout = boot_timeout_seconds.to_string();
+    let initrd = boot.initrds.join(",");
+    mgmt.clusterctl.run(
+        &[
+            "generate",
+            "cluster",
+            "c1",
+            "--infrastructure",
+            "metalboot",
+            "--flavor",
+            "kubeadm-workers",
+            "--target-namespace",
+            ns,
+            "--kubernetes-version",
+            &kubeadm::kubernetes_version(),
+            "--worker-machine-count",
+            "1",
+        ],
+        &[
+            ("CONTROL_PLANE_ENDPOINT_HOST", "10.0.2.2"),
+            ("CONTROL_PLANE_ENDPOINT_PORT", &port),
+            ("KERNEL_URL", &boot.kernel),
+            ("INITRD_URL", &initrd),
+            ("KERNEL_CMDLINE", &cmdline),
+            ("BOOT_TIMEOUT_SECONDS", &timeout),
+            ("BOOT_RETRIES", "0"),
+            ("KUBEADM_DISCOVERY_SECONDS", &discovery),
+        ],
     )
 }
 
@@ -220,29 +151,26 @@ impl KubeadmCluster {
             .expect("the join-ready control plane's CA key");
         let kubeconfig =
             std::fs::read_to_string(&mgmt.plane.kubeconfig_path).expect("admin kubeconfig");
-        upstream::install_lab_control_plane_crd(&client)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        upstream::declare_lab_control_plane(
+        let cluster_yaml = generate_cluster(
+            &mgmt,
+            &ns,
+            port,
+            &format!("http://10.0.2.2:{}", rack.boot_port),
+            discovery_seconds,
+            boot_timeout_seconds,
+        );
+        let applied = Instant::now();
+        mgmt.apply(&cluster_yaml);
+        // What the flavor asks the operator for: the existing control plane's CA and kubeconfig.
+        upstream::write_cluster_secrets(
             &client,
             &ns,
             "c1",
-            ("10.0.2.2", port),
             (&mgmt.plane.ca_pem, &ca_key),
             &kubeconfig,
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-
-        let applied = Instant::now();
-        mgmt.apply(&cluster_yaml(
-            &ns,
-            port,
-            &format!("http://10.0.2.2:{}", rack.boot_port),
-            &kubeadm::kubernetes_version(),
-            discovery_seconds,
-            boot_timeout_seconds,
-        ));
         KubeadmCluster {
             mgmt,
             ns,
@@ -271,6 +199,19 @@ impl KubeadmCluster {
             "KubeadmConfig",
             "kubeadmconfigs",
         ))
+    }
+
+    async fn existing_control_plane(&self) -> Option<DynamicObject> {
+        self.api(&resource(
+            "controlplane.cluster.x-k8s.io",
+            "v1alpha1",
+            "ExistingControlPlane",
+            "existingcontrolplanes",
+        ))
+        .get_opt("c1")
+        .await
+        .ok()
+        .flatten()
     }
 
     async fn machine(&self) -> Option<DynamicObject> {
@@ -367,6 +308,11 @@ async fn cabpk_workers_join_run_and_scale_down_under_upstream_core() {
     let deadline = Instant::now() + Duration::from_secs(1500);
     let mut running: Option<(DynamicObject, Node)> = None;
     while running.is_none() && Instant::now() < deadline {
+        let initialized = cluster
+            .existing_control_plane()
+            .await
+            .is_some_and(|p| p.data["status"]["initialization"]["controlPlaneInitialized"] == true);
+        timeline.mark("metalboot: ExistingControlPlane initialized", initialized);
         let config = cluster.rendered_config().await;
         timeline.mark("CABPK rendered the join cloud-config", config.is_some());
         let mm = cluster.metal_machine().await;

@@ -7,8 +7,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 use kube::CustomResourceExt;
 
 use super::{
-    CloudInitConfig, CloudInitConfigTemplate, Cluster, Machine, MetalCluster, MetalClusterTemplate,
-    MetalHost, MetalMachine, MetalMachineTemplate,
+    CloudInitConfig, CloudInitConfigTemplate, Cluster, ExistingControlPlane, Machine, MetalCluster,
+    MetalClusterTemplate, MetalHost, MetalMachine, MetalMachineTemplate,
 };
 
 /// Every CRD metalboot defines, provider CRDs first, then the standalone-mode Cluster API ones.
@@ -35,6 +35,7 @@ pub fn all_crds() -> Vec<CustomResourceDefinition> {
         MetalMachineTemplate::crd(),
         MetalCluster::crd(),
         MetalClusterTemplate::crd(),
+        ExistingControlPlane::crd(),
         CloudInitConfig::crd(),
         CloudInitConfigTemplate::crd(),
     ];
@@ -96,7 +97,8 @@ pub const KUSTOMIZATION: &str = "kustomization.yaml";
 /// API stand-ins of standalone mode.
 pub fn provider_dir(crd: &CustomResourceDefinition) -> &'static str {
     match crd.spec.group.as_str() {
-        "infrastructure.cluster.x-k8s.io" => "infrastructure",
+        // Shipped with the infrastructure provider: workers join the control plane it describes.
+        "infrastructure.cluster.x-k8s.io" | "controlplane.cluster.x-k8s.io" => "infrastructure",
         "bootstrap.cluster.x-k8s.io" => "bootstrap",
         _ => "standalone",
     }
@@ -184,16 +186,18 @@ mod tests {
     }
 
     #[test]
-    fn provider_crds_carry_both_contract_labels_and_the_cluster_api_category() {
+    fn provider_crds_carry_their_contract_labels_and_the_cluster_api_category() {
         for crd in all_crds()
             .into_iter()
             .filter(|c| c.spec.group != "cluster.x-k8s.io")
         {
             let labels = crd.metadata.labels.clone().unwrap_or_default();
             let name = crd.metadata.name.clone().unwrap_or_default();
+            // ExistingControlPlane is new with the v1beta2 contract: no v1beta1 fields to serve.
+            let v1beta1 = (crd.spec.names.kind != "ExistingControlPlane").then_some("v1alpha1");
             assert_eq!(
                 labels.get("cluster.x-k8s.io/v1beta1").map(String::as_str),
-                Some("v1alpha1"),
+                v1beta1,
                 "{name}"
             );
             assert_eq!(

@@ -2,7 +2,8 @@
 //!
 //! `infrastructure.cluster.x-k8s.io/v1alpha1` (MetalHost, MetalMachine[Template],
 //! MetalCluster[Template]) and `bootstrap.cluster.x-k8s.io/v1alpha1` (CloudInitConfig[Template])
-//! serve both the v1beta1 and v1beta2 Cluster API contracts. `cluster.x-k8s.io/v1beta2` Cluster
+//! serve both the v1beta1 and v1beta2 Cluster API contracts; `controlplane.cluster.x-k8s.io/v1alpha1`
+//! ExistingControlPlane serves the v1beta2 control-plane contract. `cluster.x-k8s.io/v1beta2` Cluster
 //! and Machine are read tolerantly and get CRDs only for standalone mode.
 
 // `printcolumn(name = .., type_ = ..)` repeats keys across columns, which this lint misreads as
@@ -13,12 +14,14 @@ pub mod capi;
 pub mod cloudinitconfig;
 pub mod common;
 pub mod crdgen;
+pub mod existingcontrolplane;
 pub mod metalcluster;
 pub mod metalhost;
 pub mod metalmachine;
 
 pub use capi::{Cluster, Machine};
 pub use cloudinitconfig::{CloudInitConfig, CloudInitConfigTemplate};
+pub use existingcontrolplane::ExistingControlPlane;
 pub use metalcluster::{MetalCluster, MetalClusterTemplate};
 pub use metalhost::MetalHost;
 pub use metalmachine::{MetalMachine, MetalMachineTemplate};

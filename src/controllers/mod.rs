@@ -6,6 +6,7 @@ pub mod cloudinitconfig;
 pub mod cluster;
 pub mod conditions;
 pub mod drain;
+pub mod existingcontrolplane;
 pub mod expectations;
 pub mod hostbmc;
 pub mod janitor;

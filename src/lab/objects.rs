@@ -33,7 +33,7 @@ pub struct LabObjects {
     /// `--os image`: the qcow2 image (artifact path, sha256) the deploy agent writes to disk.
     pub image: Option<(String, String)>,
     /// Kubeadm workers joining the lab's apiserver (`lab up --kubeadm`): the Cluster's control
-    /// plane is the `LabControlPlane` declared beside it, and no kubelet stand-in is set up.
+    /// plane is an `ExistingControlPlane` at `endpoint`, and no kubelet stand-in is set up.
     pub kubeadm: bool,
 }
 
@@ -159,7 +159,7 @@ impl LabObjects {
             self.kubelet_stand_in().await?;
         }
         // The workload cluster is this same apiserver (as upstream's envtest does). In kubeadm
-        // mode `upstream::declare_lab_control_plane` wrote this Secret with the CA's.
+        // mode `upstream::write_cluster_secrets` wrote this Secret with the CA's.
         if !self.kubeadm {
             let labels = BTreeMap::from([(CLUSTER_NAME_LABEL.to_string(), CLUSTER.to_string())]);
             let kubeconfig = vec![("value", self.kubeconfig.clone().into_bytes())];
@@ -168,9 +168,25 @@ impl LabObjects {
         }
         let mut spec = json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalCluster", "name": CLUSTER}});
         if self.kubeadm {
-            spec["controlPlaneRef"] = json!({"apiGroup": super::upstream::LAB_CONTROL_PLANE_GROUP,
-                "kind": super::upstream::LAB_CONTROL_PLANE_KIND, "name": CLUSTER});
+            spec["controlPlaneRef"] = json!({"apiGroup": "controlplane.cluster.x-k8s.io",
+                "kind": "ExistingControlPlane", "name": CLUSTER});
             spec["clusterNetwork"] = json!({"pods": {"cidrBlocks": ["10.244.0.0/16"]}});
+        }
+        if self.kubeadm {
+            self.apply_json(
+                &self.dynamic(
+                    "ExistingControlPlane",
+                    "controlplane.cluster.x-k8s.io",
+                    "v1alpha1",
+                    "existingcontrolplanes",
+                ),
+                json!({
+                    "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1", "kind": "ExistingControlPlane",
+                    "metadata": {"name": CLUSTER, "namespace": ns},
+                    "spec": {"controlPlaneEndpoint": {"host": self.endpoint.0, "port": self.endpoint.1}},
+                }),
+            )
+            .await?;
         }
         self.apply_json(
             &self.dynamic("Cluster", "cluster.x-k8s.io", "v1beta2", "clusters"),

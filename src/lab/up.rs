@@ -485,8 +485,8 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
         .map_err(io("relay address"))?
         .port();
     let (upstream, ca) = (cp.server.clone(), cp.ca_pem.clone());
-    // Kubeadm mode: the CA key and kubeconfig Cluster API gets with the LabControlPlane.
-    let mut lab_control_plane: Option<(String, String)> = None;
+    // Kubeadm mode: the CA key and kubeconfig Cluster API needs from the existing control plane.
+    let mut existing_control_plane: Option<(String, String)> = None;
     if opts.kubeadm {
         // Real kubelets: TLS end to end through a passthrough relay, and the control plane
         // made ready for their joins at the address they use.
@@ -512,10 +512,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             .map_err(io(format!("reading {}", ca_key_path.display())))?;
         let kubeconfig =
             serde_yaml::to_string(&cp.kubeconfig).map_err(|e| LabError::Setup(e.to_string()))?;
-        super::upstream::install_lab_control_plane_crd(&client)
-            .await
-            .map_err(|e| LabError::Setup(e.to_string()))?;
-        lab_control_plane = Some((ca_key, kubeconfig));
+        existing_control_plane = Some((ca_key, kubeconfig));
     } else {
         tokio::spawn(async move {
             if let Err(e) = super::relay::serve(relay_listener, upstream, &ca).await {
@@ -526,7 +523,7 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     let objects = LabObjects {
         client: client.clone(),
         namespace: NAMESPACE.into(),
-        // Kubeadm workers join at the relay, which the LabControlPlane names too.
+        // Kubeadm workers join at the relay, which the ExistingControlPlane names too.
         endpoint: (
             host_side_ip.clone(),
             if opts.kubeadm {
@@ -557,18 +554,17 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
     objects
         .base(&[("lab-bmc", &bmc_password), ("lab-ipmi", &ipmi_password)])
         .await?;
-    if let Some((ca_key, kubeconfig)) = &lab_control_plane {
-        super::upstream::declare_lab_control_plane(
+    if let Some((ca_key, kubeconfig)) = &existing_control_plane {
+        super::upstream::write_cluster_secrets(
             &client,
             NAMESPACE,
             CLUSTER,
-            (&host_side_ip, relay_port),
             (&cp.ca_pem, ca_key),
             kubeconfig,
         )
         .await
         .map_err(|e| LabError::Setup(e.to_string()))?;
-        tracing::info!(endpoint = %format!("{host_side_ip}:{relay_port}"), "lab control plane declared to Cluster API; ready for kubeadm joins");
+        tracing::info!(endpoint = %format!("{host_side_ip}:{relay_port}"), "lab control plane ready for kubeadm joins: ExistingControlPlane, {CLUSTER}-ca, {CLUSTER}-kubeconfig");
     }
     let what = if fleet.is_some() {
         "simulated"

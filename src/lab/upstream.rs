@@ -587,103 +587,19 @@ pub async fn install(
     Ok((release, repository, managers))
 }
 
-/// The lab's own control plane as Cluster API sees it: a kind that follows the control-plane
-/// contract (v1beta2) for an apiserver that Cluster API does not manage. The lab (or a test)
-/// started that apiserver and ran the `kubeadm init` phases against it, so it is the one that
-/// knows it is initialized and writes the status. `externalManagedControlPlane: true` makes
-/// core treat it as AKS/EKS-like: no control-plane Machines, and a worker's Node may be drained
-/// and deleted when its Machine goes.
-pub const LAB_CONTROL_PLANE_GROUP: &str = "controlplane.lab.metalboot.io";
-pub const LAB_CONTROL_PLANE_KIND: &str = "LabControlPlane";
-
-const LAB_CONTROL_PLANE_CRD: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: labcontrolplanes.controlplane.lab.metalboot.io
-  labels:
-    # Core reads the contract version this kind implements from this label.
-    cluster.x-k8s.io/v1beta2: v1alpha1
-spec:
-  group: controlplane.lab.metalboot.io
-  names:
-    kind: LabControlPlane
-    listKind: LabControlPlaneList
-    plural: labcontrolplanes
-    singular: labcontrolplane
-  scope: Namespaced
-  versions:
-  - name: v1alpha1
-    served: true
-    storage: true
-    subresources:
-      status: {}
-    schema:
-      openAPIV3Schema:
-        type: object
-        properties:
-          spec:
-            type: object
-            properties:
-              controlPlaneEndpoint:
-                type: object
-                properties:
-                  host:
-                    type: string
-                  port:
-                    type: integer
-                    format: int32
-          status:
-            type: object
-            properties:
-              externalManagedControlPlane:
-                type: boolean
-              initialization:
-                type: object
-                properties:
-                  controlPlaneInitialized:
-                    type: boolean
-"#;
-
-/// Installs the `LabControlPlane` kind and waits until it is served.
-pub async fn install_lab_control_plane_crd(client: &kube::Client) -> Result<(), UpstreamError> {
-    let crd: CustomResourceDefinition = serde_yaml::from_str(LAB_CONTROL_PLANE_CRD)
-        .map_err(|e| UpstreamError::Invalid(format!("the LabControlPlane CRD: {e}")))?;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("metalboot-lab").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .map_err(kube_err(format!("installing {name}")))?;
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        await_condition(crds, &name, conditions::is_crd_established()),
-    )
-    .await
-    .map_err(|_| UpstreamError::Invalid(format!("{name} was not established within 60 s")))?
-    .map_err(|e| UpstreamError::Invalid(format!("watching {name}: {e}")))?;
-    Ok(())
-}
-
-/// Declares the lab's apiserver as cluster `cluster`'s initialized, externally managed control
-/// plane at `host:port` (the address hosts reach it at), and hands Cluster API what it needs to
-/// join workers to it: `<cluster>-ca` (the cluster CA, whose hash goes into every join
-/// configuration) and `<cluster>-kubeconfig` (how core and the kubeadm bootstrap provider reach
-/// the workload cluster: bootstrap tokens, Nodes, drains). The Cluster's `controlPlaneRef` names
-/// `<cluster>` of kind [`LAB_CONTROL_PLANE_KIND`].
-pub async fn declare_lab_control_plane(
+/// What Cluster API needs from a control plane it does not manage before workers can join it
+/// (the `ExistingControlPlane` of the `kubeadm-workers` flavor): `<cluster>-ca` (the cluster CA,
+/// whose hash goes into every join configuration; the kubeadm bootstrap provider insists on its
+/// key too) and `<cluster>-kubeconfig` (how core and the bootstrap provider reach the workload
+/// cluster: bootstrap tokens, Nodes, drains), both labelled with the cluster's name.
+pub async fn write_cluster_secrets(
     client: &kube::Client,
     namespace: &str,
     cluster: &str,
-    endpoint: (&str, u16),
     ca: (&str, &str),
     kubeconfig_yaml: &str,
 ) -> Result<(), UpstreamError> {
     use k8s_openapi::api::core::v1::Secret;
-    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let labelled = |name: String, data: Vec<(&str, &str)>| Secret {
@@ -727,46 +643,5 @@ pub async fn declare_lab_control_plane(
             .await
             .map_err(kube_err(format!("writing Secret {namespace}/{name}")))?;
     }
-
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(LAB_CONTROL_PLANE_GROUP, "v1alpha1", LAB_CONTROL_PLANE_KIND),
-        "labcontrolplanes",
-    );
-    let planes: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
-    let (host, port) = endpoint;
-    let object = serde_json::json!({
-        "apiVersion": format!("{LAB_CONTROL_PLANE_GROUP}/v1alpha1"),
-        "kind": LAB_CONTROL_PLANE_KIND,
-        "metadata": {"name": cluster, "namespace": namespace},
-        "spec": {"controlPlaneEndpoint": {"host": host, "port": port}},
-    });
-    planes
-        .patch(
-            cluster,
-            &PatchParams::apply("metalboot-lab").force(),
-            &Patch::Apply(&object),
-        )
-        .await
-        .map_err(kube_err(format!(
-            "writing LabControlPlane {namespace}/{cluster}"
-        )))?;
-    let status = serde_json::json!({
-        "apiVersion": format!("{LAB_CONTROL_PLANE_GROUP}/v1alpha1"),
-        "kind": LAB_CONTROL_PLANE_KIND,
-        "status": {
-            "externalManagedControlPlane": true,
-            "initialization": {"controlPlaneInitialized": true},
-        },
-    });
-    planes
-        .patch_status(
-            cluster,
-            &PatchParams::apply("metalboot-lab").force(),
-            &Patch::Apply(&status),
-        )
-        .await
-        .map_err(kube_err(format!(
-            "writing LabControlPlane {namespace}/{cluster}'s status"
-        )))?;
     Ok(())
 }
