@@ -637,39 +637,19 @@ pub fn spawn(
     }
 }
 
-/// What `kubeadm init` leaves on a control plane for joining nodes, made by the real kubeadm's
-/// phases through the admin `kubeconfig`: `upload-config all` (the kubeadm and kubelet
-/// ConfigMaps) and `bootstrap-token` (the RBAC that lets bootstrap tokens join and
-/// `cluster-info`), then `cluster-info` pointed at `endpoint`, where joining hosts reach the
-/// apiserver. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2 (the phases
-/// connect through the kubeconfig only). The phases need one token; it lives 15 minutes and is
-/// what shows that kube-controller-manager signed the moved `cluster-info` again.
-pub async fn prepare_for_joins(
-    client: &kube::Client,
+/// `kubeadm init phase upload-config all` and `kubeadm init phase bootstrap-token` through the
+/// admin `kubeconfig`, with one bootstrap `token` (15 minutes) and the cluster's control-plane
+/// `endpoint`. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2; the phases
+/// connect through the kubeconfig only.
+pub fn kubeadm_init_phases(
     bin_dir: &Path,
     kubeconfig: &Path,
     endpoint: (&str, u16),
     kubernetes_version: &str,
+    token: &str,
     dir: &Path,
 ) -> Result<(), ControlPlaneError> {
-    use k8s_openapi::api::core::v1::ConfigMap;
-    use kube::api::Api;
-
-    let fail = |what: &str| ControlPlaneError::Joins(what.to_string());
     let (host, port) = endpoint;
-    let token = crate::boot::tokens::Token::mint();
-    // kubeadm's token form: [a-z0-9]{6}.[a-z0-9]{16}.
-    let alphabet: String = token
-        .expose()
-        .chars()
-        .map(|c| c.to_ascii_lowercase())
-        .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-        .collect();
-    if alphabet.len() < 22 {
-        return Err(fail("a minted token is too short for a kubeadm token"));
-    }
-    let token = format!("{}.{}", &alphabet[..6], &alphabet[6..22]);
-    let token_id = &token[..6];
     let config = dir.join("kubeadm-init.yaml");
     let text = format!(
         "apiVersion: kubeadm.k8s.io/v1beta4
@@ -715,6 +695,51 @@ networking:
             )));
         }
     }
+
+    Ok(())
+}
+
+/// What `kubeadm init` leaves on a control plane for joining nodes, made by the real kubeadm's
+/// phases through the admin `kubeconfig`: `upload-config all` (the kubeadm and kubelet
+/// ConfigMaps) and `bootstrap-token` (the RBAC that lets bootstrap tokens join and
+/// `cluster-info`), then `cluster-info` pointed at `endpoint`, where joining hosts reach the
+/// apiserver. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2 (the phases
+/// connect through the kubeconfig only). The phases need one token; it lives 15 minutes and is
+/// what shows that kube-controller-manager signed the moved `cluster-info` again.
+pub async fn prepare_for_joins(
+    client: &kube::Client,
+    bin_dir: &Path,
+    kubeconfig: &Path,
+    endpoint: (&str, u16),
+    kubernetes_version: &str,
+    dir: &Path,
+) -> Result<(), ControlPlaneError> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::Api;
+
+    let fail = |what: &str| ControlPlaneError::Joins(what.to_string());
+    let (host, port) = endpoint;
+    let token = crate::boot::tokens::Token::mint();
+    // kubeadm's token form: [a-z0-9]{6}.[a-z0-9]{16}.
+    let alphabet: String = token
+        .expose()
+        .chars()
+        .map(|c| c.to_ascii_lowercase())
+        .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        .collect();
+    if alphabet.len() < 22 {
+        return Err(fail("a minted token is too short for a kubeadm token"));
+    }
+    let token = format!("{}.{}", &alphabet[..6], &alphabet[6..22]);
+    let token_id = &token[..6];
+    kubeadm_init_phases(
+        bin_dir,
+        kubeconfig,
+        endpoint,
+        kubernetes_version,
+        &token,
+        dir,
+    )?;
 
     let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
     let signature = |cm: &ConfigMap| -> Option<String> {

@@ -35,60 +35,23 @@ pub fn random_token() -> String {
     format!("{}.{}", pick(6), pick(16))
 }
 
-/// `kubeadm init phase upload-config all` and `kubeadm init phase bootstrap-token` through the
-/// admin `kubeconfig`: the kubeadm and kubelet ConfigMaps, `token` with its RBAC, and
-/// `cluster-info`. kubeadm refuses a loopback advertise address, so it names 10.0.2.2 (the QEMU
-/// host address lab hosts use, which the apiserver's certificate names); the phases connect
-/// through the kubeconfig only. `endpoint_host`: the control-plane endpoint's host.
+/// The `kubeadm init` phases with `token` (`controlplane::kubeadm_init_phases`), the
+/// control-plane endpoint being `endpoint_host` at the apiserver's port.
 pub fn init_phases(kubeconfig: &Path, server: &str, token: &str, endpoint_host: &str, dir: &Path) {
-    let port = server.rsplit(':').next().expect("port");
-    let config = dir.join("kubeadm.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "apiVersion: kubeadm.k8s.io/v1beta4
-kind: InitConfiguration
-bootstrapTokens:
-- token: {token}
-  ttl: 2h0m0s
-  groups: [system:bootstrappers:kubeadm:default-node-token]
-  usages: [signing, authentication]
-localAPIEndpoint:
-  advertiseAddress: 10.0.2.2
-  bindPort: {port}
-nodeRegistration:
-  name: control-plane
-  criSocket: unix:///run/containerd/containerd.sock
----
-apiVersion: kubeadm.k8s.io/v1beta4
-kind: ClusterConfiguration
-kubernetesVersion: {version}
-controlPlaneEndpoint: {endpoint_host}:{port}
-networking:
-  podSubnet: 10.244.0.0/16
-",
-            version = kubernetes_version(),
-        ),
+    let port: u16 = server
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("apiserver port");
+    controlplane::kubeadm_init_phases(
+        &controlplane::default_bin_dir(),
+        kubeconfig,
+        (endpoint_host, port),
+        &kubernetes_version(),
+        token,
+        dir,
     )
-    .expect("kubeadm config");
-    let kubeadm = metalboot::controlplane::default_bin_dir().join("kubeadm");
-    for phase in [
-        &["init", "phase", "upload-config", "all"][..],
-        &["init", "phase", "bootstrap-token"][..],
-    ] {
-        let out = std::process::Command::new(&kubeadm)
-            .args(phase)
-            .arg(format!("--config={}", config.display()))
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .output()
-            .expect("run kubeadm");
-        assert!(
-            out.status.success(),
-            "kubeadm {phase:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// kubeadm's `--discovery-token-ca-cert-hash`: sha256 of the CA's SubjectPublicKeyInfo.
