@@ -1,6 +1,6 @@
 //! Relays from where lab hosts are to the lab's apiserver, which listens on loopback.
 //!
-//! - [`serve`]: plain HTTP, for the kubelet stand-in of the standalone lab. The lab OS's busybox
+//! - [`serve`]: plain HTTP, for the kubelet stand-in (the lab without `--kubeadm`). The lab OS's busybox
 //!   `wget` cannot complete a TLS handshake with Go's TLS stack, so the stand-in talks plain HTTP
 //!   to this relay, which forwards over verified TLS. The relay adds no identity: the bearer
 //!   token the guest got through its bootstrap data is what authorizes.
