@@ -674,7 +674,19 @@ networking:
 "
     );
     fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
-    fs::write(&config, text).map_err(io_err("writing", &config))?;
+    // It names the token: readable by this user only (created so, never widened).
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&config)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .map_err(io_err("writing", &config))?;
+    }
     let kubeadm = bin_dir.join("kubeadm");
     for phase in [
         &["init", "phase", "upload-config", "all"][..],
@@ -686,11 +698,11 @@ networking:
             .arg(format!("--kubeconfig={}", kubeconfig.display()))
             .output()
             .map_err(io_err("running", &kubeadm))?;
+        // Its stdout names the token ("Using token: …"), so only stderr goes into the error.
         if !out.status.success() {
             return Err(ControlPlaneError::Joins(format!(
-                "kubeadm {}: {}{}",
+                "kubeadm {}: {}",
                 phase.join(" "),
-                String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             )));
         }
@@ -732,14 +744,24 @@ pub async fn prepare_for_joins(
     }
     let token = format!("{}.{}", &alphabet[..6], &alphabet[6..22]);
     let token_id = &token[..6];
-    kubeadm_init_phases(
-        bin_dir,
-        kubeconfig,
-        endpoint,
-        kubernetes_version,
-        &token,
-        dir,
-    )?;
+    // kubeadm runs twice as a child process: off the async workers, which serve the lab too.
+    {
+        let (bin_dir, kubeconfig, dir) = (
+            bin_dir.to_path_buf(),
+            kubeconfig.to_path_buf(),
+            dir.to_path_buf(),
+        );
+        let (host, version, token) = (
+            host.to_string(),
+            kubernetes_version.to_string(),
+            token.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            kubeadm_init_phases(&bin_dir, &kubeconfig, (&host, port), &version, &token, &dir)
+        })
+        .await
+        .map_err(|e| ControlPlaneError::Joins(format!("the kubeadm phases' task: {e}")))??;
+    }
 
     let public: Api<ConfigMap> = Api::namespaced(client.clone(), "kube-public");
     let signature = |cm: &ConfigMap| -> Option<String> {
@@ -768,18 +790,22 @@ pub async fn prepare_for_joins(
     };
     let info = signed(None).await?;
     let first = signature(&info);
-    let mut moved = info.clone();
-    let kubeconfig_yaml = moved
+    let current = info
         .data
-        .as_mut()
-        .and_then(|d| d.get_mut("kubeconfig"))
+        .as_ref()
+        .and_then(|d| d.get("kubeconfig"))
         .ok_or_else(|| fail("cluster-info has no kubeconfig"))?;
-    *kubeconfig_yaml = cluster_info_for_server(kubeconfig_yaml, &format!("https://{host}:{port}"))?;
-    if moved.data != info.data {
+    let moved = cluster_info_for_server(current, &format!("https://{host}:{port}"))?;
+    if &moved != current {
+        // Only the kubeconfig key: the signer may add or drop signatures meanwhile.
         public
-            .replace("cluster-info", &Default::default(), &moved)
+            .patch(
+                "cluster-info",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"data": {"kubeconfig": moved}})),
+            )
             .await
-            .map_err(|e| ControlPlaneError::Joins(format!("replacing cluster-info: {e}")))?;
+            .map_err(|e| ControlPlaneError::Joins(format!("pointing cluster-info: {e}")))?;
         signed(first).await?;
     }
     Ok(())

@@ -444,3 +444,72 @@ async fn a_join_ready_control_plane_signs_a_kubelet_csr_made_with_a_bootstrap_to
     .await;
     assert_eq!(code, 401);
 }
+
+/// What `lab up --kubeadm` and the kubeadm tests do before any host joins
+/// (`controlplane::prepare_for_joins`): the real kubeadm init phases, then `cluster-info` pointed
+/// at the address hosts use, signed again by kube-controller-manager. The kubeadm config naming
+/// the phases' token is readable by its owner only.
+#[tokio::test]
+async fn prepare_for_joins_points_cluster_info_at_the_hosts_endpoint_and_gets_it_signed() {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use metalboot::controlplane::{self, ControlPlane, Lifetime};
+    use std::os::unix::fs::PermissionsExt;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = ControlPlane::start(&controlplane::Options {
+        bin_dir: controlplane::default_bin_dir(),
+        data_dir: dir.path().join("plane"),
+        lifetime: Lifetime::TiedToThisProcess,
+        join_ready: true,
+    })
+    .await
+    .expect("join-ready control plane");
+    let admin = cp.client().await.expect("admin client");
+    let work = dir.path().join("kubeadm");
+    controlplane::prepare_for_joins(
+        &admin,
+        &controlplane::default_bin_dir(),
+        &cp.kubeconfig_path,
+        ("10.77.0.2", 41817),
+        &kubeadm::kubernetes_version(),
+        &work,
+    )
+    .await
+    .expect("prepare for joins");
+
+    let info = Api::<ConfigMap>::namespaced(admin.clone(), "kube-public")
+        .get("cluster-info")
+        .await
+        .expect("cluster-info");
+    let data = info.data.expect("cluster-info data");
+    let kubeconfig: kube::config::Kubeconfig =
+        serde_yaml::from_str(&data["kubeconfig"]).expect("cluster-info kubeconfig");
+    let servers: Vec<Option<String>> = kubeconfig
+        .clusters
+        .iter()
+        .map(|c| c.cluster.as_ref().and_then(|c| c.server.clone()))
+        .collect();
+    assert_eq!(servers, vec![Some("https://10.77.0.2:41817".to_string())]);
+    assert!(
+        data.keys().any(|k| k.starts_with("jws-kubeconfig-")),
+        "no signature after the move: {:?}",
+        data.keys().collect::<Vec<_>>()
+    );
+    // kubeadm's upload-config made the ConfigMaps a join reads.
+    for name in ["kubeadm-config", "kubelet-config"] {
+        Api::<ConfigMap>::namespaced(admin.clone(), "kube-system")
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    let mode = std::fs::metadata(work.join("kubeadm-init.yaml"))
+        .expect("kubeadm config")
+        .permissions()
+        .mode();
+    assert_eq!(
+        mode & 0o077,
+        0,
+        "kubeadm-init.yaml is readable by others: {mode:o}"
+    );
+    drop(cp);
+}
