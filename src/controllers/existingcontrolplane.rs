@@ -1,7 +1,7 @@
 //! ExistingControlPlane controller: a control plane Cluster API does not manage can take joins
 //! once Cluster API has what a join needs from it. That is the Cluster's `<cluster>-ca` Secret
 //! (the CA whose hash every join configuration pins; the kubeadm bootstrap provider also wants
-//! a `tls.key` there) and `<cluster>-kubeconfig` (how core and the bootstrap provider reach the
+//! a non-empty `tls.key` there, though it never uses it for a worker join) and `<cluster>-kubeconfig` (how core and the bootstrap provider reach the
 //! workload cluster: bootstrap tokens, Nodes, drains). The cluster is the one core names in the
 //! `cluster.x-k8s.io/cluster-name` label when it adopts the object.
 //!

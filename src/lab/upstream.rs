@@ -589,8 +589,8 @@ pub async fn install(
 
 /// What Cluster API needs from a control plane it does not manage before workers can join it
 /// (the `ExistingControlPlane` of the `kubeadm-workers` flavor): `<cluster>-ca` (the cluster CA,
-/// whose hash goes into every join configuration; the kubeadm bootstrap provider insists on its
-/// key too) and `<cluster>-kubeconfig` (how core and the bootstrap provider reach the workload
+/// whose hash goes into every join configuration; the kubeadm bootstrap provider wants a
+/// non-empty key beside it, and the lab, which owns its CA, gives the real one) and `<cluster>-kubeconfig` (how core and the bootstrap provider reach the workload
 /// cluster: bootstrap tokens, Nodes, drains), both labelled with the cluster's name.
 pub async fn write_cluster_secrets(
     client: &kube::Client,
