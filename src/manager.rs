@@ -506,7 +506,11 @@ async fn start_infrastructure(
     });
     let cluster_controller =
         metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
-    let control_plane_controller = existingcontrolplane::controller(client.clone(), namespace);
+    let control_plane_controller = existingcontrolplane::controller(
+        client.clone(),
+        namespace,
+        reflectors.clusters.subscribe(),
+    );
     let control_plane_ctx = Arc::new(existingcontrolplane::Context {
         client: client.clone(),
         clusters: stores.clusters.clone(),

@@ -14,12 +14,14 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Resource;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{Controller, watcher};
+use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 
 use crate::api::existingcontrolplane::{ControlPlaneInitialization, ExistingControlPlaneStatus};
 use crate::api::{CLUSTER_NAME_LABEL, Cluster, ExistingControlPlane};
@@ -218,39 +220,60 @@ fn error_policy(
         .after_failure("ExistingControlPlane", &key(ecp.as_ref()), error)
 }
 
-/// Wakes on its objects and on Secrets labelled with a cluster name (the kubeconfig and CA
-/// Secrets Cluster API's tools write carry it).
+/// Wakes on its objects, on its Cluster (a pause or un-pause), and on Secrets labelled with a
+/// cluster name (the kubeconfig and CA Secrets Cluster API's tools write carry it). Of Secrets
+/// only metadata is watched: reconcile reads the two it needs.
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
+    clusters_changes: ReflectHandle<DeserializeGuard<Cluster>>,
 ) -> Controller<ExistingControlPlane> {
-    let (planes, secrets): (Api<ExistingControlPlane>, Api<Secret>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+    let (planes, secrets): (Api<ExistingControlPlane>, Api<PartialObjectMeta<Secret>>) =
+        match namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        };
     let controller = Controller::new(planes, watcher::Config::default());
     let store = controller.store();
-    controller.watches(
+    let by_cluster = store.clone();
+    let adopted_by = move |store: &Store<ExistingControlPlane>,
+                           namespace: Option<String>,
+                           cluster: Option<String>| {
+        store
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.namespace() == namespace
+                    && cluster.is_some()
+                    && p.labels().get(CLUSTER_NAME_LABEL) == cluster.as_ref()
+            })
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect::<Vec<_>>()
+    };
+    let secret_changes = watcher(
         secrets,
         watcher::Config::default().labels(CLUSTER_NAME_LABEL),
-        move |secret| {
-            let namespace = secret.namespace();
-            let cluster = secret.labels().get(CLUSTER_NAME_LABEL).cloned();
-            store
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && cluster.is_some()
-                        && p.labels().get(CLUSTER_NAME_LABEL) == cluster.as_ref()
-                })
-                .map(|p| ObjectRef::from_obj(p.as_ref()))
-                .collect::<Vec<_>>()
-        },
     )
+    .default_backoff()
+    .touched_objects();
+    controller
+        .watches_stream(secret_changes, move |secret| {
+            adopted_by(
+                &store,
+                secret.namespace(),
+                secret.labels().get(CLUSTER_NAME_LABEL).cloned(),
+            )
+        })
+        .watches_shared_stream(clusters_changes, move |cluster| {
+            adopted_by(
+                &by_cluster,
+                cluster.meta().namespace.clone(),
+                cluster.meta().name.clone(),
+            )
+        })
 }
 
 pub async fn run(controller: Controller<ExistingControlPlane>, ctx: Arc<Context>) {
