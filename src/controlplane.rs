@@ -126,6 +126,16 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+/// The Kubernetes release the control plane, kubeadm and kubelet are built from (the pin in
+/// `hack/control-plane/versions.env`, read at compile time).
+pub fn kubernetes_version() -> &'static str {
+    include_str!("../hack/control-plane/versions.env")
+        .lines()
+        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
+        .map(str::trim)
+        .unwrap_or("v1.36.3")
+}
+
 /// Where `hack/control-plane/build.sh` puts the binaries unless `METALBOOT_CONTROL_PLANE_BIN` says.
 pub fn default_bin_dir() -> PathBuf {
     std::env::var_os("METALBOOT_CONTROL_PLANE_BIN")
@@ -645,10 +655,10 @@ pub fn kubeadm_init_phases(
     bin_dir: &Path,
     kubeconfig: &Path,
     endpoint: (&str, u16),
-    kubernetes_version: &str,
     token: &str,
     dir: &Path,
 ) -> Result<(), ControlPlaneError> {
+    let kubernetes_version = kubernetes_version();
     let (host, port) = endpoint;
     let config = dir.join("kubeadm-init.yaml");
     let text = format!(
@@ -723,7 +733,6 @@ pub async fn prepare_for_joins(
     bin_dir: &Path,
     kubeconfig: &Path,
     endpoint: (&str, u16),
-    kubernetes_version: &str,
     dir: &Path,
 ) -> Result<(), ControlPlaneError> {
     use k8s_openapi::api::core::v1::ConfigMap;
@@ -751,13 +760,9 @@ pub async fn prepare_for_joins(
             kubeconfig.to_path_buf(),
             dir.to_path_buf(),
         );
-        let (host, version, token) = (
-            host.to_string(),
-            kubernetes_version.to_string(),
-            token.clone(),
-        );
+        let (host, token) = (host.to_string(), token.clone());
         tokio::task::spawn_blocking(move || {
-            kubeadm_init_phases(&bin_dir, &kubeconfig, (&host, port), &version, &token, &dir)
+            kubeadm_init_phases(&bin_dir, &kubeconfig, (&host, port), &token, &dir)
         })
         .await
         .map_err(|e| ControlPlaneError::Joins(format!("the kubeadm phases' task: {e}")))??;

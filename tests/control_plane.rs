@@ -471,7 +471,6 @@ async fn prepare_for_joins_points_cluster_info_at_the_hosts_endpoint_and_gets_it
         &controlplane::default_bin_dir(),
         &cp.kubeconfig_path,
         ("10.77.0.2", 41817),
-        &kubeadm::kubernetes_version(),
         &work,
     )
     .await

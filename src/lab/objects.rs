@@ -37,15 +37,6 @@ pub struct LabObjects {
     pub kubeadm: bool,
 }
 
-/// The Kubernetes release the lab's control plane, kubeadm and kubelet are built from.
-pub fn kubernetes_version() -> &'static str {
-    include_str!("../../hack/control-plane/versions.env")
-        .lines()
-        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
-        .map(str::trim)
-        .unwrap_or("v1.36.3")
-}
-
 /// The lab's kubelet stand-in (a bootstrap command), until a real kubelet joins.
 const REGISTER_NODE: &str = include_str!("register-node.sh");
 
@@ -329,7 +320,7 @@ impl LabObjects {
                 "selector": {"matchLabels": {"cluster.x-k8s.io/deployment-name": name}},
                 "template": {
                     "metadata": {"labels": {"cluster.x-k8s.io/deployment-name": name}},
-                    "spec": {"clusterName": CLUSTER, "version": kubernetes_version(),
+                    "spec": {"clusterName": CLUSTER, "version": crate::controlplane::kubernetes_version(),
                         "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "KubeadmConfigTemplate", "name": name}},
                         "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachineTemplate", "name": name}}}},
         })).await
@@ -403,7 +394,7 @@ impl LabObjects {
         self.apply_json(&self.dynamic("Machine", "cluster.x-k8s.io", "v1beta2", "machines"), json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
             "metadata": {"name": name, "namespace": ns, "labels": labels},
-            "spec": {"clusterName": CLUSTER, "version": kubernetes_version(),
+            "spec": {"clusterName": CLUSTER, "version": crate::controlplane::kubernetes_version(),
                 "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io", "kind": "CloudInitConfig", "name": name}},
                 "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MetalMachine", "name": name}},
         })).await

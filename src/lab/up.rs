@@ -503,7 +503,6 @@ pub async fn serve(opts: LabOptions) -> Result<(), LabError> {
             &controlplane::default_bin_dir(),
             &cp.kubeconfig_path,
             (&host_side_ip, relay_port),
-            crate::lab::objects::kubernetes_version(),
             &dir.join("kubeadm"),
         )
         .await?;

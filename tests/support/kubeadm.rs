@@ -10,16 +10,7 @@ use metalboot::controlplane;
 
 /// The Kubernetes release the control plane, kubeadm and kubelet are built from.
 pub fn kubernetes_version() -> String {
-    let env = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/hack/control-plane/versions.env"
-    ))
-    .expect("read versions.env");
-    env.lines()
-        .find_map(|l| l.strip_prefix("KUBERNETES_VERSION="))
-        .expect("KUBERNETES_VERSION in versions.env")
-        .trim()
-        .to_string()
+    metalboot::controlplane::kubernetes_version().to_string()
 }
 
 /// A bootstrap token in kubeadm's form, `[a-z0-9]{6}.[a-z0-9]{16}`.
@@ -47,7 +38,6 @@ pub fn init_phases(kubeconfig: &Path, server: &str, token: &str, endpoint_host: 
         &controlplane::default_bin_dir(),
         kubeconfig,
         (endpoint_host, port),
-        &kubernetes_version(),
         token,
         dir,
     )
@@ -90,7 +80,6 @@ pub async fn prepare_for_joins(kubeconfig: &Path, server: &str, client: &kube::C
         &controlplane::default_bin_dir(),
         kubeconfig,
         ("10.0.2.2", port),
-        &kubernetes_version(),
         dir.path(),
     )
     .await
