@@ -384,7 +384,9 @@ pub fn decide(o: &Observed) -> Decision {
         failure.is_some(),
         bootstrap_ready,
         infra_ready,
-        m.spec.provider_id.is_some(),
+        // This pass's write copies it: the status that follows that write already counts it,
+        // so Provisioned costs no second pass.
+        m.spec.provider_id.is_some() || matches!(step, Step::CopyProviderId(_)),
         node_ready,
     );
     status.phase = Some(next.into());
@@ -562,7 +564,7 @@ mod tests {
                 Step::Nothing,
             ),
             (
-                "infrastructure ready: copy providerID",
+                "infrastructure ready: copy providerID, Provisioned in the same pass",
                 with(|o, m| {
                     bootstrapped(o, m);
                     if let Referenced::Found(v) = &mut o.infra {
@@ -570,7 +572,7 @@ mod tests {
                         v.provider_id = Some("metalboot://ns/h/u".into());
                     }
                 }),
-                "Provisioning",
+                "Provisioned",
                 Step::CopyProviderId("metalboot://ns/h/u".into()),
             ),
             (

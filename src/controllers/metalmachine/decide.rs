@@ -15,7 +15,7 @@ use crate::api::metalmachine::ProvisioningMode;
 use crate::api::metalmachine::{
     HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
 };
-use crate::api::{MetalHost, PAUSED_ANNOTATION};
+use crate::api::{MetalHost, MetalMachine, PAUSED_ANNOTATION};
 use crate::bmc::PowerAction;
 use crate::boot::tokens::{BootRecord, CallbackRecord};
 use crate::controllers::conditions::{self, Want};
@@ -521,27 +521,17 @@ fn decide_claim(o: &Observed, mut draft: StatusDraft, failure_domain: Option<&st
     }
 }
 
-fn decide_provisioned(
-    o: &Observed,
+/// The status of a provisioned machine: ready, with the callback's addresses. Written by the
+/// very pass that records the providerID (right after that write), and rebuilt from spec and
+/// metadata by every later pass, so no extra round trip stands between a callback and ready.
+fn provisioned_status(
+    mm: &MetalMachine,
     mut draft: StatusDraft,
-    provider_id: String,
-    claimed: Option<&MetalHost>,
-    observed_status: &MetalMachineStatus,
-) -> Decision {
-    let mm = o.mm.as_ref();
-    let host_name = claimed
-        .map(|h| h.name_any())
-        .or_else(|| observed_status.host_ref.as_ref().map(|r| r.name.clone()))
-        .unwrap_or_default();
-    match claimed {
-        Some(host) => associate(&mut draft, host, &o.failure_domain_label),
-        None => draft.set(Want::f(
-            HOST_ASSOCIATED,
-            "HostNotFound",
-            "no MetalHost names this machine in spec.consumerRef (after a move, re-create the MetalHost with its consumerRef)",
-        )),
-    }
-    if let Some(addresses) = super::recorded_addresses(mm) {
+    host_name: &str,
+    provider_id: &str,
+    addresses: Option<Vec<MachineAddress>>,
+) -> MetalMachineStatus {
+    if let Some(addresses) = addresses {
         draft.status.addresses = addresses;
     }
     if draft.status.failure_domain.is_none() {
@@ -562,7 +552,36 @@ fn decide_provisioned(
         "Provisioned",
         format!("running on MetalHost {host_name} ({provider_id})"),
     ));
-    let status = draft.done();
+    draft.done()
+}
+
+fn decide_provisioned(
+    o: &Observed,
+    mut draft: StatusDraft,
+    provider_id: String,
+    claimed: Option<&MetalHost>,
+    observed_status: &MetalMachineStatus,
+) -> Decision {
+    let mm = o.mm.as_ref();
+    let host_name = claimed
+        .map(|h| h.name_any())
+        .or_else(|| observed_status.host_ref.as_ref().map(|r| r.name.clone()))
+        .unwrap_or_default();
+    match claimed {
+        Some(host) => associate(&mut draft, host, &o.failure_domain_label),
+        None => draft.set(Want::f(
+            HOST_ASSOCIATED,
+            "HostNotFound",
+            "no MetalHost names this machine in spec.consumerRef (after a move, re-create the MetalHost with its consumerRef)",
+        )),
+    }
+    let status = provisioned_status(
+        mm,
+        draft,
+        &host_name,
+        &provider_id,
+        super::recorded_addresses(mm),
+    );
     if mm.spec.mode == ProvisioningMode::Live {
         return live_next_boot(o, status, claimed, observed_status.ready, &provider_id);
     }
@@ -901,12 +920,19 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
                 .as_ref()
                 .map(|c| addresses_from(c, &host_name))
                 .unwrap_or_default();
+            let status = provisioned_status(
+                mm,
+                draft,
+                &host_name,
+                &record.provider_id,
+                Some(addresses.clone()),
+            );
             let step = Step::RecordProvisioned {
                 provider_id: record.provider_id.clone(),
                 failure_domain: host.labels().get(&o.failure_domain_label).cloned(),
                 addresses,
             };
-            Decision::new(draft.done(), step, None)
+            Decision::new(status, step, None)
         }
     }
 }
@@ -1595,12 +1621,12 @@ mod tests {
                 Step::DeleteBootSecret,
             ),
             (
-                "10. called back: record providerID, domain, addresses (seed steps 8, 10, 11)",
+                "10. called back: record providerID, domain, addresses, and ready in the same pass (seed steps 8, 10, 11)",
                 Observed {
                     boot: BootObservation::Record(Box::new(record(2, Some(-10), true))),
                     ..claimed(observed())
                 },
-                "",
+                "Provisioned",
                 Step::RecordProvisioned {
                     provider_id: "metalboot://ns/h1/mm-uid".into(),
                     failure_domain: Some("rack-a".into()),
@@ -1622,6 +1648,17 @@ mod tests {
             assert_eq!(d.step, want_step, "{what}: step");
             if !want_reason.is_empty() {
                 assert_eq!(ready_reason(&d), want_reason, "{what}: Ready reason");
+            }
+            // Ready is written right after the providerID, never before it.
+            let records = matches!(d.step, Step::RecordProvisioned { .. });
+            assert_eq!(d.status.ready, records, "{what}: ready");
+            if let Step::RecordProvisioned { addresses, .. } = &d.step {
+                assert_eq!(&d.status.addresses, addresses, "{what}: addresses");
+                assert_eq!(
+                    d.status.initialization.as_ref().and_then(|i| i.provisioned),
+                    Some(true),
+                    "{what}: initialization.provisioned"
+                );
             }
         }
     }
