@@ -140,11 +140,16 @@ async fn cleanup(
     refs_in_order.extend(m.spec.bootstrap.config_ref.clone());
     for r in refs_in_order.into_iter().filter(|r| !r.name.is_empty()) {
         let api = refs::api_for(&ctx.client, &ns, &r).await?;
-        if let Some(obj) = api
-            .get_opt(&r.name)
-            .await
-            .map_err(ReconcileError::read(format!("{} {}", r.kind, r.name)))?
-        {
+        // The watched copy when there is one: a store that still shows a deleted object only
+        // makes this wait, and its deletion event wakes the Machine. A miss is confirmed by a GET.
+        let obj = match ctx.cached_reference(&r, &ns) {
+            Some(obj) => Some(obj),
+            None => api
+                .get_opt(&r.name)
+                .await
+                .map_err(ReconcileError::read(format!("{} {}", r.kind, r.name)))?,
+        };
+        if let Some(obj) = obj {
             if obj.metadata.deletion_timestamp.is_none() {
                 api.delete(&r.name, &DeleteParams::default())
                     .await

@@ -147,19 +147,32 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             // decision, never a lost finalizer of someone else.
             let patch = serde_json::json!({"metadata": {"finalizers": finalizers}});
             let replaced = mm.resource_version();
-            patch_from(
+            let removing = *step == Step::RemoveFinalizer;
+            match patch_from(
                 ctx,
                 &machines,
                 &namespace,
                 &name,
-                replaced,
+                replaced.clone(),
                 patch,
                 "finalizers",
             )
-            .await?;
-            if *step == Step::RemoveFinalizer {
-                // The machine is gone for good: drop everything kept about it.
-                ctx.expectations.forget(&mm_key);
+            .await
+            {
+                Ok(_) => {}
+                // Already gone: a pass decided from a store that still shows the deleted object.
+                Err(ActError::Api(ReconcileError::Write {
+                    source: kube::Error::Api(ref s),
+                    ..
+                })) if removing && s.code == 404 => {
+                    ctx.expectations.wrote(mm_key.clone(), replaced, None);
+                }
+                Err(e) => return Err(e),
+            }
+            if removing {
+                // The machine is gone for good: drop everything kept about it but the
+                // expectation of that last write, so passes from a store that still shows the
+                // object wait for its deletion instead of patching a deleted object again.
                 ctx.expectations.forget(&boot_key);
                 ctx.power_requests.forget(&mm_key);
                 ctx.power_ons.forget(&mm_key);
