@@ -481,8 +481,15 @@ async fn start_infrastructure(
     });
 
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
-    let callbacks = futures::stream::unfold(callback_rx, |mut rx| async move {
-        rx.recv().await.map(|n| (n, rx))
+    let fresh_secrets = metalmachine::FreshSecrets::default();
+    let offered = fresh_secrets.clone();
+    let callbacks = futures::stream::unfold(callback_rx, move |mut rx| {
+        let offered = offered.clone();
+        async move {
+            let notice = rx.recv().await?;
+            offered.offer(&notice);
+            Some((notice, rx))
+        }
     });
     let machine_controller = metalmachine::controller(
         &stores,
@@ -503,6 +510,7 @@ async fn start_infrastructure(
         power_requests: Default::default(),
         power_ons: Default::default(),
         expectations: Default::default(),
+        fresh_secrets,
     });
     let cluster_controller =
         metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());

@@ -758,6 +758,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         power_requests: Default::default(),
         power_ons: Default::default(),
         expectations,
+        fresh_secrets: Default::default(),
     };
     let held = Arc::new(held_machine);
 
@@ -856,6 +857,82 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     assert!(
         mm.status.as_ref().is_some_and(|s| s.ready) && mm.spec.provider_id.is_some(),
         "still provisioned and ready"
+    );
+
+    // 4. A callback reaches the controller before its Secret watch does: the store still shows
+    //    the version the callback's write replaced. The pass decides from the write's answer
+    //    (it records the providerID at once) and leaves an expectation, so later passes wait
+    //    for the store. An answer to a write that replaced another version is not used.
+    let called_back = secrets_seen
+        .lock()
+        .expect("recorded Secrets")
+        .iter()
+        .find(|s| {
+            s.name_any() == "m1-boot"
+                && tokens::parse_boot_secret(s).is_ok_and(|r| r.callback.is_some())
+        })
+        .cloned()
+        .expect("the Secret with the callback was seen");
+    let before_callback = secrets_seen
+        .lock()
+        .expect("recorded Secrets")
+        .iter()
+        .take_while(|s| s.resource_version() != called_back.resource_version())
+        .filter(|s| s.name_any() == "m1-boot")
+        .last()
+        .cloned()
+        .expect("the Secret the callback replaced was seen");
+    fill(&mut boot_secrets_w, vec![before_callback.clone()]);
+    fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
+    let notice = |replaced: Option<String>| metalboot::boot::http::CallbackNotice {
+        namespace: lab.ns.name.clone(),
+        metal_machine: "m1".into(),
+        recorded: Some(metalboot::boot::http::Recorded {
+            replaced: replaced.unwrap_or_default(),
+            written: Arc::new(called_back.clone()),
+        }),
+    };
+    let early = context(Expectations::default());
+    early
+        .fresh_secrets
+        .offer(&notice(before_callback.resource_version()));
+    let observe::Observation::Ready(observed) = observe::observe(&early, held.clone()).await else {
+        panic!("nothing pending before the fresh answer");
+    };
+    assert!(
+        matches!(&observed.boot, observe::BootObservation::Record(r) if r.callback.is_some()),
+        "the pass sees the callback before the store does"
+    );
+    let step = decide::decide(&observed, &early.policy).step;
+    assert!(
+        matches!(step, decide::Step::RecordProvisioned { .. }),
+        "and records the providerID at once: {step:?}"
+    );
+    assert_eq!(
+        early.expectations.len(),
+        1,
+        "later passes wait until the store shows the callback"
+    );
+    let observe::Observation::Stale(_) = observe::observe(&early, held.clone()).await else {
+        panic!("the next pass waits for the store");
+    };
+
+    let unrelated = context(Expectations::default());
+    unrelated.fresh_secrets.offer(&notice(Some("1".into())));
+    let observe::Observation::Ready(observed) = observe::observe(&unrelated, held.clone()).await
+    else {
+        panic!("nothing pending");
+    };
+    assert!(
+        matches!(&observed.boot, observe::BootObservation::Record(r) if r.callback.is_none()),
+        "an answer to a write from another version is not used"
+    );
+    assert!(
+        unrelated
+            .fresh_secrets
+            .take(&object_key("MetalMachine", &lab.ns.name, "m1"))
+            .is_none(),
+        "the pass took the answer, used or not"
     );
 }
 

@@ -87,10 +87,20 @@ pub enum BootEvent {
 }
 
 /// A host reported success: the MetalMachine controller should look at `namespace/metal_machine`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CallbackNotice {
     pub namespace: String,
     pub metal_machine: String,
+    /// The boot Secret as the apiserver answered the write that recorded the report, so the
+    /// controller need not wait for its watch to deliver it (see `metalmachine::observe`).
+    pub recorded: Option<Recorded>,
+}
+
+/// A write to a boot Secret: the resourceVersion it replaced and the Secret it produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recorded {
+    pub replaced: String,
+    pub written: Arc<Secret>,
 }
 
 pub struct BootState {
@@ -1129,7 +1139,7 @@ async fn record_callback(
     secrets: &Api<Secret>,
     record: &BootRecord,
     received: &CallbackRecord,
-) -> Result<(), CallbackWrite> {
+) -> Result<Recorded, CallbackWrite> {
     let patch = tokens::callback_patch(received)
         .map_err(|e| CallbackWrite::Failed(format!("encoding the callback record: {e}")))?;
     record_on_attempt(secrets, record, patch).await
@@ -1141,7 +1151,7 @@ async fn record_on_attempt(
     secrets: &Api<Secret>,
     record: &BootRecord,
     data_patch: serde_json::Value,
-) -> Result<(), CallbackWrite> {
+) -> Result<Recorded, CallbackWrite> {
     const ATTEMPTS: usize = 3;
     let mut current = record.clone();
     for _ in 0..ATTEMPTS {
@@ -1157,7 +1167,12 @@ async fn record_on_attempt(
             )
             .await
         {
-            Ok(_) => return Ok(()),
+            Ok(written) => {
+                return Ok(Recorded {
+                    replaced: resource_version,
+                    written: Arc::new(written),
+                });
+            }
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(kube::Error::Api(e)) if e.code == 404 => return Err(CallbackWrite::Superseded),
             Err(e) => return Err(CallbackWrite::Failed(e.to_string())),
@@ -1248,8 +1263,8 @@ async fn callback(
         received_at: jiff::Timestamp::now().to_string(),
     };
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
-    match record_callback(&secrets, &record, &received).await {
-        Ok(()) => {}
+    let recorded = match record_callback(&secrets, &record, &received).await {
+        Ok(recorded) => recorded,
         Err(CallbackWrite::Superseded) => {
             tracing::warn!(route = "/callback", machine = %record.metal_machine, attempt = record.attempt, client = ?ip, "callback of an attempt that was replaced or already called back");
             crate::metrics::record_callback("superseded");
@@ -1266,7 +1281,7 @@ async fn callback(
                 "could not record the callback, retry\n".into(),
             );
         }
-    }
+    };
     tracing::info!(route = "/callback", machine = %record.metal_machine, host = %record.host, attempt = record.attempt, client = ?ip, addresses = ?received.addresses, "bootstrap succeeded");
     crate::metrics::record_callback("accepted");
     state.publish(BootEvent::Callback {
@@ -1277,6 +1292,7 @@ async fn callback(
     let _ = state.callbacks.send(CallbackNotice {
         namespace: record.namespace.clone(),
         metal_machine: record.metal_machine.clone(),
+        recorded: Some(recorded),
     });
     text(StatusCode::OK, "ok\n".into())
 }

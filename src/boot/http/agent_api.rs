@@ -196,7 +196,7 @@ pub(super) async fn inspection(
     };
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
     match record_on_attempt(&secrets, &record, patch).await {
-        Ok(()) => {
+        Ok(_) => {
             tracing::info!(route = "/agent/inspection", machine = %record.metal_machine, host = %record.host, disks = inventory.disks.len(), client = ?ip, "inspection recorded");
             text(StatusCode::OK, "ok\n".into())
         }
@@ -269,8 +269,8 @@ pub(super) async fn report(
         Err(e) => return super::internal_error("encoding the report failed", e),
     };
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
-    match record_on_attempt(&secrets, &record, patch).await {
-        Ok(()) => {}
+    let recorded = match record_on_attempt(&secrets, &record, patch).await {
+        Ok(recorded) => recorded,
         Err(CallbackWrite::Superseded) => {
             return text(
                 StatusCode::CONFLICT,
@@ -284,7 +284,7 @@ pub(super) async fn report(
                 "could not record, retry\n".into(),
             );
         }
-    }
+    };
     match report.state {
         DeployState::Writing => {}
         DeployState::Written => {
@@ -353,6 +353,7 @@ pub(super) async fn report(
         let _ = state.callbacks.send(CallbackNotice {
             namespace: record.namespace.clone(),
             metal_machine: record.metal_machine.clone(),
+            recorded: Some(recorded),
         });
     }
     text(StatusCode::OK, "ok\n".into())

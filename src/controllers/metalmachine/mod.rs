@@ -16,7 +16,8 @@ pub mod claim;
 pub mod decide;
 pub mod observe;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -30,7 +31,7 @@ use kube::{Resource, ResourceExt};
 use crate::api::common::MachineAddress;
 use crate::api::metalmachine::MetalMachineStatus;
 use crate::api::{MetalHost, MetalMachine};
-use crate::boot::http::CallbackNotice;
+use crate::boot::http::{CallbackNotice, Recorded};
 
 use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key};
@@ -71,6 +72,39 @@ pub fn recorded_addresses(mm: &MetalMachine) -> Option<Vec<MachineAddress>> {
         .and_then(|a| serde_json::from_str(a).ok())
 }
 
+/// Boot Secrets as the answers to the boot service's writes returned them (a host's callback,
+/// a deploy report), per MetalMachine, until the machine's next pass looks. That pass decides
+/// from the answer only when the store still shows exactly the version the write replaced, so
+/// a callback is acted on without waiting for the Secret watch, which lags by seconds under load.
+#[derive(Clone, Default)]
+pub struct FreshSecrets(Arc<Mutex<HashMap<String, Recorded>>>);
+
+/// Notices of machines whose pass never came (deleted) are dropped past this many.
+const FRESH_SECRETS_MAX: usize = 4096;
+
+impl FreshSecrets {
+    /// Keeps the write a notice carries, for its machine's next pass.
+    pub fn offer(&self, notice: &CallbackNotice) {
+        let Some(recorded) = &notice.recorded else {
+            return;
+        };
+        if let Ok(mut fresh) = self.0.lock() {
+            if fresh.len() >= FRESH_SECRETS_MAX {
+                fresh.clear();
+            }
+            fresh.insert(
+                object_key("MetalMachine", &notice.namespace, &notice.metal_machine),
+                recorded.clone(),
+            );
+        }
+    }
+
+    /// The write kept for `machine_key`, once.
+    pub fn take(&self, machine_key: &str) -> Option<Recorded> {
+        self.0.lock().ok()?.remove(machine_key)
+    }
+}
+
 pub struct MachineContext {
     pub client: kube::Client,
     pub connector: Arc<dyn BmcConnector>,
@@ -84,6 +118,7 @@ pub struct MachineContext {
     /// asynchronously, so deprovisioning does not trust an Off read until it had time to land.
     pub power_ons: PowerRequests,
     pub expectations: Expectations,
+    pub fresh_secrets: FreshSecrets,
 }
 
 async fn write_status(

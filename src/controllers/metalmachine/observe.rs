@@ -176,6 +176,31 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
     {
         return Observation::Stale(secret_key);
     }
+    // The store still shows the version a boot-service write replaced: decide from that write's
+    // answer (the apiserver's own copy, never older than the store's), and let later passes wait
+    // until the store shows it too.
+    let fresh = ctx
+        .fresh_secrets
+        .take(&mm_key)
+        .filter(|f| f.written.name_any() == secret_name)
+        .filter(|f| {
+            secret
+                .as_ref()
+                .and_then(|s| s.resource_version())
+                .as_deref()
+                == Some(f.replaced.as_str())
+        });
+    let secret = match fresh {
+        Some(f) => {
+            ctx.expectations.wrote(
+                secret_key.clone(),
+                Some(f.replaced.clone()),
+                f.written.resource_version(),
+            );
+            Some(f.written)
+        }
+        None => secret,
+    };
     let boot = match secret {
         None => BootObservation::None,
         Some(secret) => match tokens::parse_boot_secret(&secret) {
