@@ -233,7 +233,9 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
     };
 
     // Core creates the Machine; CloudInitConfig renders its data; metalboot claims the host,
-    // powers it on through sushy and serves that data to the host it plays.
+    // powers it on through sushy and serves that data to the host it plays. The host is played
+    // only once it was powered on, as a real one boots: played earlier, its callback can reach
+    // metalboot before the power-on, which then never comes.
     let user_data = support::eventually_or("the host boots and calls back", 240, || async {
         let mm = metal_machines
             .list(&Default::default())
@@ -242,6 +244,10 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
             .items
             .pop()?;
         mm.status.as_ref()?;
+        changes_at_the_bmc(&proxy)
+            .iter()
+            .any(|r| r.starts_with("POST "))
+            .then_some(())?;
         play_host(&base, &mac).await
     })
     .await;
