@@ -1,18 +1,33 @@
 //! Reflector stores shared by the controllers and the boot service: one watch per kind, many
 //! readers. A controller subscribes to the store's event stream; the boot service only reads.
 
+//!
+//! The changes are fanned out here rather than through kube-runtime's shared-store handles
+//! (`store_shared`/`ReflectHandle`). A `ReflectHandle` passes an object reference and looks the
+//! object up when the controller reads it; if the object was deleted in between, kube-runtime
+//! 5.0's `poll_next` returns `Pending` without a waker, so that subscriber is never polled again,
+//! its bounded buffer fills, and the whole kind's watch stops being read (the apiserver then
+//! closes it "due to unresponsiveness"). Here each subscriber gets the object itself, on its own
+//! unbounded channel: a controller's intake only maps events to requests, so it keeps up, and a
+//! stopped controller's channel is dropped.
+
 use std::fmt::Debug;
 use std::hash::Hash;
+use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use kube::Resource;
 use kube::api::Api;
-use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
 
-/// Events buffered per subscriber before the reflector waits for a slow controller.
-const SUBSCRIBER_BUFFER: usize = 1024;
+/// What a controller subscribed to a shared store receives: each object as a watch event applied
+/// it (and every object again after each full list), as `Controller::for_shared_stream` and its
+/// `watches_shared_stream`/`owns_shared_stream` take them. Deletions are not sent.
+pub type Changes<K> = BoxStream<'static, Arc<K>>;
 
 /// A store being filled by one watch. Subscribe controllers before `run`.
 pub struct SharedStore<K>
@@ -22,6 +37,7 @@ where
 {
     pub store: Store<K>,
     writer: Writer<K>,
+    subscribers: Mutex<Vec<mpsc::UnboundedSender<Arc<K>>>>,
 }
 
 impl<K> SharedStore<K>
@@ -29,33 +45,72 @@ where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
 {
     pub fn new() -> Self {
-        let (store, writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
-        Self { store, writer }
+        let (store, writer) = reflector::store();
+        Self {
+            store,
+            writer,
+            subscribers: Mutex::default(),
+        }
     }
 
-    /// An event stream for a controller (`Controller::for_shared_stream` and friends).
-    pub fn subscribe(&self) -> ReflectHandle<K> {
-        match self.writer.subscribe() {
-            Some(handle) => handle,
-            // store_shared always makes a subscribable writer.
-            None => unreachable!("shared store without subscribers"),
+    /// A change stream for a controller (`Controller::for_shared_stream` and friends).
+    pub fn subscribe(&self) -> Changes<K> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut subscribers) = self.subscribers.lock() {
+            subscribers.push(tx);
         }
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+            .boxed()
     }
 
     /// Fills the store from `api` until the process ends; watch errors back off and retry.
     pub fn run(self, api: Api<K>, config: watcher::Config) -> Store<K> {
+        self.run_on(lean(watcher(api, config)).default_backoff())
+    }
+
+    /// Fills the store from `events` (a watch) and sends the changes to the subscribers.
+    pub fn run_on(
+        self,
+        events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    ) -> Store<K> {
         let store = self.store.clone();
-        let stream =
-            reflector::reflector(self.writer, lean(watcher(api, config))).default_backoff();
+        let mut writer = self.writer;
+        let mut subscribers = self.subscribers.into_inner().unwrap_or_default();
+        let stream = events;
         tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    tracing::warn!(kind = %K::kind(&()), error = %e, "watch error; retrying");
+                match event {
+                    Ok(event) => {
+                        writer.apply_watcher_event(&event);
+                        fan_out(&store, &event, &mut subscribers);
+                    }
+                    Err(e) => {
+                        tracing::warn!(kind = %K::kind(&()), error = %e, "watch error; retrying");
+                    }
                 }
             }
         });
-        store
+        self.store
+    }
+}
+
+/// Sends what `event` changed to every subscriber, as the store now holds it: the applied object,
+/// or every object after a full list. A subscriber whose controller stopped is dropped.
+fn fan_out<K>(
+    store: &Store<K>,
+    event: &watcher::Event<K>,
+    subscribers: &mut Vec<mpsc::UnboundedSender<Arc<K>>>,
+) where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    let changed: Vec<Arc<K>> = match event {
+        watcher::Event::Apply(obj) => store.get(&ObjectRef::from_obj(obj)).into_iter().collect(),
+        watcher::Event::InitDone => store.state(),
+        _ => return,
+    };
+    for obj in changed {
+        subscribers.retain(|tx| tx.send(obj.clone()).is_ok());
     }
 }
 
@@ -183,5 +238,60 @@ impl Reflectors {
             api(&client, namespace),
             all().labels(crate::boot::tokens::BOOT_TOKEN_LABEL),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ObjectMeta;
+    use kube::runtime::watcher::Event;
+
+    fn map(name: &str, version: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// An object deleted before its controller read the change must not stop the changes after
+    /// it (kube-runtime 5.0's `ReflectHandle` stops there for good, and with it, once its buffer
+    /// is full, the whole watch).
+    #[tokio::test]
+    async fn a_deleted_object_does_not_stop_later_changes() {
+        let shared = SharedStore::<ConfigMap>::new();
+        let mut changes = shared.subscribe();
+        let mut other = shared.subscribe();
+        let events = vec![
+            Ok(Event::Init),
+            Ok(Event::InitApply(map("a", "1"))),
+            Ok(Event::InitDone),
+            Ok(Event::Apply(map("b", "2"))),
+            Ok(Event::Delete(map("b", "2"))),
+            Ok(Event::Apply(map("c", "3"))),
+        ];
+        let store = shared.run_on(futures::stream::iter(events));
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), changes.next());
+            let Ok(Some(obj)) = next.await else {
+                panic!("the changes stopped after {seen:?}");
+            };
+            seen.push(format!(
+                "{}@{}",
+                obj.metadata.name.clone().unwrap_or_default(),
+                obj.metadata.resource_version.clone().unwrap_or_default()
+            ));
+        }
+        assert_eq!(seen, ["a@1", "b@2", "c@3"]);
+        assert!(other.next().await.is_some(), "every subscriber gets them");
+        assert!(store.get(&ObjectRef::new("b").within("ns")).is_none());
+        assert!(store.get(&ObjectRef::new("c").within("ns")).is_some());
     }
 }

@@ -20,7 +20,7 @@ use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 
 use crate::api::existingcontrolplane::{ControlPlaneInitialization, ExistingControlPlaneStatus};
@@ -226,7 +226,7 @@ fn error_policy(
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
-    clusters_changes: ReflectHandle<DeserializeGuard<Cluster>>,
+    clusters_changes: crate::stores::Changes<DeserializeGuard<Cluster>>,
 ) -> Controller<ExistingControlPlane> {
     let (planes, secrets): (Api<ExistingControlPlane>, Api<PartialObjectMeta<Secret>>) =
         match namespace {

@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, watcher};
 use kube::{Resource, ResourceExt};
 
@@ -157,7 +157,7 @@ fn owned_by_cluster(mc: &MetalCluster, cluster: &str) -> bool {
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
-    clusters_changes: ReflectHandle<DeserializeGuard<Cluster>>,
+    clusters_changes: crate::stores::Changes<DeserializeGuard<Cluster>>,
 ) -> Controller<MetalCluster> {
     let (clusters, hosts): (Api<MetalCluster>, Api<MetalHost>) = match namespace {
         Some(ns) => (

@@ -671,8 +671,8 @@ pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     stores: &SharedStores,
-    hosts: kube::runtime::reflector::ReflectHandle<MetalHost>,
-    machines: kube::runtime::reflector::ReflectHandle<MetalMachine>,
+    hosts: crate::stores::Changes<MetalHost>,
+    machines: crate::stores::Changes<MetalMachine>,
     secret_meta: kube::runtime::reflector::store::Writer<PartialObjectMeta<Secret>>,
 ) -> Controller<MetalHost> {
     let secrets: Api<PartialObjectMeta<Secret>> = match namespace {

@@ -29,7 +29,7 @@ use serde::de::DeserializeOwned;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::core::DeserializeGuard;
-use kube::runtime::reflector::{ReflectHandle, Store};
+use kube::runtime::reflector::Store;
 
 use crate::api::{Cluster, Machine, MetalCluster, MetalHost, MetalMachine, PAUSED_ANNOTATION};
 
@@ -47,11 +47,11 @@ pub struct SharedStores {
 
 /// One controller's subscriptions to the shared watches.
 pub struct Subscriptions {
-    pub hosts: ReflectHandle<MetalHost>,
-    pub metal_machines: ReflectHandle<MetalMachine>,
-    pub machines: ReflectHandle<DeserializeGuard<Machine>>,
-    pub clusters: ReflectHandle<DeserializeGuard<Cluster>>,
-    pub boot_secrets: ReflectHandle<Secret>,
+    pub hosts: crate::stores::Changes<MetalHost>,
+    pub metal_machines: crate::stores::Changes<MetalMachine>,
+    pub machines: crate::stores::Changes<DeserializeGuard<Machine>>,
+    pub clusters: crate::stores::Changes<DeserializeGuard<Cluster>>,
+    pub boot_secrets: crate::stores::Changes<Secret>,
 }
 
 impl Subscriptions {

@@ -28,7 +28,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, DeserializeGuard};
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::mpsc;
@@ -345,8 +345,8 @@ fn error_policy(m: Arc<Machine>, error: &ReconcileError, ctx: Arc<MachineContext
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
-    clusters: ReflectHandle<DeserializeGuard<Cluster>>,
-    metal_machines: ReflectHandle<MetalMachine>,
+    clusters: crate::stores::Changes<DeserializeGuard<Cluster>>,
+    metal_machines: crate::stores::Changes<MetalMachine>,
     triggers: impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
 ) -> Controller<Machine> {
     fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
