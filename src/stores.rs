@@ -139,17 +139,7 @@ pub fn watch_store<K>(api: Api<K>, config: watcher::Config) -> Store<K>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
 {
-    let (store, writer) = reflector::store();
-    let stream = reflector::reflector(writer, lean(watcher(api, config))).default_backoff();
-    tokio::spawn(async move {
-        futures::pin_mut!(stream);
-        while let Some(event) = stream.next().await {
-            if let Err(e) = event {
-                tracing::warn!(kind = %K::kind(&()), error = %e, "watch error; retrying");
-            }
-        }
-    });
-    store
+    SharedStore::new().run(api, config)
 }
 
 /// Waits for `store`'s first full list. `Store::wait_until_ready` wakes only one waiter (it sits on
