@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kube::api::Api;
@@ -35,9 +36,16 @@ pub enum Seen {
     Overdue,
 }
 
+/// How many replaced versions one pending expectation remembers (writes in a row before the
+/// store catches up: a pass writes at most two).
+const REPLACED_KEPT: usize = 8;
+
 struct Pending {
-    /// The resourceVersion our write replaced (None for a create).
-    replaced: Option<String>,
+    /// The resourceVersions our writes replaced since the store last caught up (None for a
+    /// create), oldest first. All of them, not just the last: a pass that writes twice (status,
+    /// then a finalizer) leaves a store that may still show the version before the first write,
+    /// and that version must not pass for one after our writes.
+    replaced: Vec<Option<String>>,
     /// When the apiserver is to be asked: a TTL after the write, or after its last answer that
     /// the store was behind.
     due: Instant,
@@ -49,7 +57,12 @@ struct Pending {
 pub struct Expectations {
     pending: Mutex<HashMap<String, Pending>>,
     ttl: Duration,
+    /// The size at which the next write sweeps out old entries first.
+    sweep_at: AtomicUsize,
 }
+
+/// The smallest map a write-time sweep waits for.
+const SWEEP_AT_LEAST: usize = 1024;
 
 impl Default for Expectations {
     fn default() -> Self {
@@ -63,6 +76,7 @@ impl Expectations {
         Expectations {
             pending: Mutex::default(),
             ttl,
+            sweep_at: AtomicUsize::new(SWEEP_AT_LEAST),
         }
     }
 
@@ -74,14 +88,27 @@ impl Expectations {
             return;
         }
         if let Ok(mut pending) = self.pending.lock() {
-            pending.insert(
-                key,
-                Pending {
-                    replaced,
-                    due: self.due(),
-                    reported: false,
-                },
-            );
+            // Entries of objects that went away are dropped here too, so a controller without a
+            // sweep of its own keeps no more than the writes of the last FORGET_AFTER.
+            if pending.len() >= self.sweep_at.load(Ordering::Relaxed) {
+                forget_old(&mut pending);
+                self.sweep_at
+                    .store((pending.len() * 2).max(SWEEP_AT_LEAST), Ordering::Relaxed);
+            }
+            let due = self.due();
+            let entry = pending.entry(key).or_insert_with(|| Pending {
+                replaced: Vec::new(),
+                due,
+                reported: false,
+            });
+            if !entry.replaced.contains(&replaced) {
+                if entry.replaced.len() == REPLACED_KEPT {
+                    entry.replaced.remove(0);
+                }
+                entry.replaced.push(replaced);
+            }
+            entry.due = due;
+            entry.reported = false;
         }
     }
 
@@ -180,13 +207,7 @@ impl Expectations {
     /// Drops entries nobody asked about for long (their object went away).
     pub fn expire(&self) {
         if let Ok(mut pending) = self.pending.lock() {
-            let now = Instant::now();
-            pending.retain(|_, entry| {
-                entry
-                    .due
-                    .checked_add(FORGET_AFTER)
-                    .is_none_or(|forget_at| now < forget_at)
-            });
+            forget_old(&mut pending);
         }
     }
 
@@ -212,8 +233,18 @@ impl Expectations {
 }
 
 /// Whether a pending write is shown by a store showing `seen`.
+fn forget_old(pending: &mut HashMap<String, Pending>) {
+    let now = Instant::now();
+    pending.retain(|_, entry| {
+        entry
+            .due
+            .checked_add(FORGET_AFTER)
+            .is_none_or(|forget_at| now < forget_at)
+    });
+}
+
 fn state_of(entry: &Pending, seen: Option<&str>) -> Seen {
-    if entry.replaced.as_deref() != seen {
+    if !entry.replaced.iter().any(|r| r.as_deref() == seen) {
         Seen::Met
     } else if Instant::now() >= entry.due {
         Seen::Overdue
@@ -280,6 +311,28 @@ mod tests {
         );
         assert!(met(&e, "S/ns/a", Some("12")), "any newer version will do");
         assert!(met(&e, "S/ns/a", Some("10")), "met expectations are gone");
+    }
+
+    /// A pass that writes twice (status, then the finalizer): a store still at the version
+    /// before the first write is as stale as one at the version before the second.
+    #[test]
+    fn two_writes_in_a_row_wait_for_the_last_from_either_old_version() {
+        let e = Expectations::default();
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Waiting, "before both");
+        assert_eq!(
+            e.check("S/ns/a", Some("11")),
+            Seen::Waiting,
+            "before the last"
+        );
+        assert!(met(&e, "S/ns/a", Some("12")));
+        assert!(e.is_empty());
+        // A finalizer removal that deleted the object answers with the version it replaced.
+        e.wrote("S/ns/b".into(), Some("20".into()), Some("21".into()));
+        e.wrote("S/ns/b".into(), Some("21".into()), None);
+        assert_eq!(e.check("S/ns/b", Some("20")), Seen::Waiting);
+        assert!(met(&e, "S/ns/b", None), "gone");
     }
 
     #[test]

@@ -74,14 +74,28 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
                 .cloned()
                 .collect();
             // Conditioned on the version our status write produced, not the one we read.
-            super::act::patch_machine(
+            match super::act::patch_machine(
                 ctx,
                 &m,
-                version,
+                version.clone(),
                 serde_json::json!({"metadata": {"finalizers": finalizers}}),
                 "finalizer",
             )
-            .await?;
+            .await
+            {
+                Ok(()) => {}
+                // Already gone: an earlier pass removed the finalizer.
+                Err(ReconcileError::Write {
+                    source: kube::Error::Api(ref s),
+                    ..
+                }) if s.code == 404 => {}
+                Err(e) => return Err(e),
+            }
+            // The last finalizer gone, the object is deleted and the answer may carry the very
+            // version it replaced: expect the deletion, so a pass from a store that still shows
+            // the object waits for it instead of patching a deleted object.
+            ctx.expectations
+                .wrote(super::machine_key(&m), version, None);
             ctx.triggers.forget_machine(m.as_ref());
             ctx.backoff.reset(&key(m.as_ref()));
             Ok(Action::await_change())
