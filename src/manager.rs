@@ -361,6 +361,7 @@ pub async fn start(
             watch_filter: watch_filter.clone(),
             secrets,
             clusters: shared_clusters,
+            expectations: Default::default(),
         });
         running
             .tasks
@@ -478,6 +479,7 @@ async fn start_infrastructure(
         power_requests: Default::default(),
         watch_filter: watch_filter.clone(),
         secret_meta,
+        expectations: Default::default(),
     });
 
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use kube::api::{Api, Patch, PatchParams};
 use metalboot::api::MetalHost;
 use metalboot::api::metalhost::{ConsumerReference, HostState, MetalHostStatus, PowerState};
+use metalboot::controllers::expectations::Expectations;
 use metalboot::controllers::merge_params;
 use metalboot::controllers::metalhost::write_status;
 use metalboot::controllers::metalmachine::FIELD_MANAGER;
@@ -38,7 +39,7 @@ async fn status_claims_and_operator_edits_on_one_host_lose_nothing() {
                 error_message: Some(format!("status round {round}")),
                 ..Default::default()
             };
-            write_status(&hosts, &created, &status)
+            write_status(&Expectations::default(), &hosts, &created, &status)
                 .await
                 .unwrap_or_else(|e| panic!("status round {round}: {e}"));
         }

@@ -22,6 +22,7 @@ use crate::api::cloudinitconfig::{BootstrapInitialization, CloudInitConfigSpec, 
 use crate::api::{CLUSTER_NAME_LABEL, CloudInitConfig, Cluster, Machine};
 
 use super::conditions::{self, Want};
+use super::expectations::{Expectations, object_key, store_reflects};
 use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
 
 pub const FIELD_MANAGER: &str = "metalboot-cloudinitconfig";
@@ -150,6 +151,9 @@ pub struct ConfigContext {
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// The manager's shared Cluster store, when it runs one (not in bootstrap-only mode).
     pub clusters: Option<Store<DeserializeGuard<Cluster>>>,
+    /// Status writes the config store has not shown yet: a pass from the older copy waits
+    /// (it would only write the same status again).
+    pub expectations: Expectations,
 }
 
 fn machine_owner(cfg: &CloudInitConfig) -> Option<String> {
@@ -168,6 +172,19 @@ async fn reconcile(
     }
     let ns = cfg.namespace().unwrap_or_default();
     let name = cfg.name_any();
+    let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);
+    let config_key = object_key("CloudInitConfig", &ns, &name);
+    if !store_reflects(
+        &ctx.expectations,
+        &api,
+        &config_key,
+        &name,
+        cfg.resource_version().as_deref(),
+    )
+    .await
+    {
+        return Ok(Action::requeue(Duration::from_millis(250)));
+    }
     // 1. No Machine owner → exit (the Machine controller adds it).
     let Some(owner) = machine_owner(&cfg) else {
         return Ok(Action::await_change());
@@ -269,8 +286,9 @@ async fn reconcile(
                     status.failure_reason = Some("InvalidSpec".into());
                     status.failure_message = Some(message.clone());
                 }
-                let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);
-                apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+                let written = apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+                ctx.expectations
+                    .wrote(config_key, cfg.resource_version(), written);
                 ctx.events
                     .publish(cfg.as_ref(), true, "InvalidSpec", message)
                     .await;
@@ -332,8 +350,9 @@ async fn reconcile(
         &now,
     );
     if Some(&status) != cfg.status.as_ref() {
-        let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);
-        apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+        let written = apply_status(&api, &name, FIELD_MANAGER, &status).await?;
+        ctx.expectations
+            .wrote(config_key, cfg.resource_version(), written);
     }
     ctx.backoff.reset(&key(cfg.as_ref()));
     Ok(Action::await_change())

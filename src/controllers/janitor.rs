@@ -60,6 +60,7 @@ pub async fn sweep(hosts: &HostContext, machines: &MachineContext, boot: &BootSt
         .power_requests
         .retain(|k| live_machine_objects.contains(k));
     machines.expectations.expire();
+    hosts.expectations.expire();
     boot.retain_pins(|secret| live_boot_secrets.contains(secret));
     Swept {
         bmc_drivers: evicted.len(),

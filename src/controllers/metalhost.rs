@@ -29,6 +29,7 @@ use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
 use crate::bmc::Bmc;
 
 use super::conditions::{self, Want};
+use super::expectations::{Expectations, object_key, store_reflects};
 use super::hostbmc::BmcConnector;
 use super::metalmachine::DEPROVISION_FAILED_ANNOTATION;
 use super::power::{PowerOffStep, PowerRequests, power_off_step};
@@ -379,10 +380,14 @@ pub struct HostContext {
     pub watch_filter: Option<String>,
     /// Metadata of the Secrets in scope, from the watch that also wakes hosts on a change.
     pub secret_meta: Store<PartialObjectMeta<Secret>>,
+    /// This controller's status writes the host store has not shown yet: a pass waits for them
+    /// (a pass from the older copy would only write the same status again).
+    pub expectations: Expectations,
 }
 
 /// Writes the whole status with server-side apply: this controller is its only writer.
 pub async fn write_status(
+    expectations: &Expectations,
     api: &Api<MetalHost>,
     host: &MetalHost,
     status: &MetalHostStatus,
@@ -390,9 +395,17 @@ pub async fn write_status(
     if host.status.as_ref() == Some(status) {
         return Ok(());
     }
-    super::apply_status(api, &host.name_any(), FIELD_MANAGER, status)
-        .await
-        .map(|_| ())
+    let written = super::apply_status(api, &host.name_any(), FIELD_MANAGER, status).await?;
+    expectations.wrote(host_key(host), host.resource_version(), written);
+    Ok(())
+}
+
+fn host_key(host: &MetalHost) -> String {
+    object_key(
+        "MetalHost",
+        &host.namespace().unwrap_or_default(),
+        &host.name_any(),
+    )
 }
 
 async fn connect(ctx: &HostContext, host: &MetalHost) -> Result<Arc<dyn Bmc>, Fault> {
@@ -411,6 +424,17 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     let name = host.name_any();
     let api: Api<MetalHost> =
         Api::namespaced(ctx.client.clone(), &host.namespace().unwrap_or_default());
+    if !store_reflects(
+        &ctx.expectations,
+        &api,
+        &host_key(&host),
+        &name,
+        host.resource_version().as_deref(),
+    )
+    .await
+    {
+        return Ok(Action::requeue(Duration::from_millis(250)));
+    }
     let now = conditions::now();
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
     let interval = ctx.poll_interval.mul_f64(jitter);
@@ -431,7 +455,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 host.metadata.generation,
                 &now,
             );
-            write_status(&api, &host, &status).await?;
+            write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::await_change())
         }
         HostPlan::Register => {
@@ -483,7 +507,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 status = settle(&host, status, consumer, &facts, &now);
             }
             status.conditions.retain(|c| c.type_ != PAUSED);
-            write_status(&api, &host, &status).await?;
+            write_status(&ctx.expectations, &api, &host, &status).await?;
             match failed {
                 Some(f) => {
                     if previous_state != Some(HostState::Error) {
@@ -570,7 +594,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             }
             let polled = poll_status(status, host.metadata.generation, power, &now);
             let status = settle(&host, polled, consumer, &facts, &now);
-            write_status(&api, &host, &status).await?;
+            write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
@@ -581,7 +605,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
             let status = settle(&host, polled, consumer, &facts, &now);
-            write_status(&api, &host, &status).await?;
+            write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
         HostPlan::Wait(d) => {
@@ -600,10 +624,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                     Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
                 };
                 let status = poll_status(status, host.metadata.generation, result, &now);
-                write_status(&api, &host, &status).await?;
+                write_status(&ctx.expectations, &api, &host, &status).await?;
                 return Ok(Action::requeue(interval));
             }
-            write_status(&api, &host, &status).await?;
+            write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::requeue(d))
         }
     }
