@@ -121,7 +121,16 @@ fn host_named<'a>(o: &'a Observed, name: &str) -> Result<&'a MetalHost, ActError
         .ok_or_else(|| ActError::Conflict(format!("MetalHost {name} left the store")))
 }
 
-pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), ActError> {
+/// What a step changed on the MetalMachine itself, for the status written after it.
+#[derive(Debug, Default)]
+pub struct Acted {
+    /// The generation the step's own spec write produced: the status decided with that write
+    /// describes it, so it is stamped with it (not with the older one, which would cost a second
+    /// write just to move observedGeneration).
+    pub generation: Option<i64>,
+}
+
+pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acted, ActError> {
     let mm = o.mm.as_ref();
     let namespace = mm.namespace().unwrap_or_default();
     let name = mm.name_any();
@@ -132,7 +141,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
     let boot_name = tokens::boot_secret_name(&name);
     let boot_key = object_key("Secret", &namespace, &boot_name);
     match step {
-        Step::Nothing => Ok(()),
+        Step::Nothing => Ok(Acted::default()),
         Step::AddFinalizer | Step::RemoveFinalizer => {
             let mut finalizers: Vec<String> = mm
                 .finalizers()
@@ -178,7 +187,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 ctx.power_ons.forget(&mm_key);
                 ctx.backoff.reset(&crate::controllers::key(mm));
             }
-            Ok(())
+            Ok(Acted::default())
         }
         Step::Claim {
             host,
@@ -188,7 +197,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
             let patch = super::claim::claim_patch(&consumer);
             let replaced = Some(resource_version.clone());
             patch_from(ctx, &hosts, &namespace, host, replaced, patch, "claim").await?;
-            Ok(())
+            Ok(Acted::default())
         }
         Step::Mint { host, provider_id } => {
             let user_data = bootstrap_data(ctx, o, &namespace).await?;
@@ -216,7 +225,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 .map_err(write_error(format!("Secret {boot_name}")))?;
             ctx.expectations
                 .wrote(boot_key, None, created.resource_version());
-            Ok(())
+            Ok(Acted::default())
         }
         Step::PowerOn { host, attempt } => {
             let BootObservation::Record(record) = &o.boot else {
@@ -288,7 +297,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 ),
             };
             ctx.events.publish(mm, false, reason, note).await;
-            Ok(())
+            Ok(Acted::default())
         }
         Step::StartCleaning { host, mode } => {
             let target = host_named(o, host)?;
@@ -334,7 +343,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 current.and_then(|s| s.resource_version()),
                 written.resource_version(),
             );
-            Ok(())
+            Ok(Acted::default())
         }
         Step::NextAttempt => {
             let Some(secret) = ctx
@@ -355,7 +364,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 secret.resource_version(),
                 written.resource_version(),
             );
-            Ok(())
+            Ok(Acted::default())
         }
         Step::RecordProvisioned {
             provider_id,
@@ -373,7 +382,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 "spec": spec,
             });
             let replaced = mm.resource_version();
-            patch_from(
+            let written = patch_from(
                 ctx,
                 &machines,
                 &namespace,
@@ -407,7 +416,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                     );
                 }
             }
-            Ok(())
+            Ok(Acted {
+                generation: written.metadata.generation,
+            })
         }
         Step::RestartToDisk { host } => {
             let BootObservation::Record(record) = &o.boot else {
@@ -451,7 +462,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                     ),
                 )
                 .await;
-            Ok(())
+            Ok(Acted::default())
         }
         Step::ArmNextBoot { host, netboot } => {
             // The next power-on network-boots the OS again. Best effort, as for image mode's
@@ -501,13 +512,13 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 current.and_then(|s| s.resource_version()),
                 written.resource_version(),
             );
-            Ok(())
+            Ok(Acted::default())
         }
         Step::BootFromDisk { host } => {
             // The one-time network boot was consumed; leave the next boot to the disk. Best
             // effort: a BMC that refuses leaves a warning, not an unprovisioned machine.
             next_boot_best_effort(ctx, o, mm, host, BootDevice::Hdd).await?;
-            Ok(())
+            Ok(Acted::default())
         }
         Step::DeleteBootSecret => {
             let current = ctx
@@ -528,7 +539,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 Err(e) => return Err(write_error(format!("Secret {boot_name} deletion"))(e)),
             }
             ctx.expectations.wrote(boot_key, current, None);
-            Ok(())
+            Ok(Acted::default())
         }
         Step::PowerOff { host, action } => {
             let target = host_named(o, host)?;
@@ -537,7 +548,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_requests.record(&mm_key, *action);
-            Ok(())
+            Ok(Acted::default())
         }
         Step::Release {
             host,
@@ -570,7 +581,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<(), 
                     )
                     .await;
             }
-            Ok(())
+            Ok(Acted::default())
         }
     }
 }

@@ -796,6 +796,10 @@ fn decide_image(
     ))
 }
 
+fn waiting_for_callback(attempt: u32) -> String {
+    format!("attempt {attempt}: host network-booting, waiting for its bootstrap-success callback")
+}
+
 fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decision {
     let mm = o.mm.as_ref();
     let host_name = host.name_any();
@@ -852,13 +856,12 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
     }
     match boot_step(record, o.now, timeout, retries) {
         BootStep::Power => {
+            // The same words as the wait that follows: the power-on and the first wait write
+            // one status, not two.
             draft.set(Want::f(
                 BOOT_READY,
                 "WaitingForCallback",
-                format!(
-                    "attempt {}: host network-booting, waiting for its bootstrap-success callback",
-                    record.attempt
-                ),
+                waiting_for_callback(record.attempt),
             ));
             draft.set(Want::f(
                 READY,
@@ -875,10 +878,7 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
             draft.set(Want::f(
                 BOOT_READY,
                 "WaitingForCallback",
-                format!(
-                    "attempt {}: waiting for the bootstrap-success callback",
-                    record.attempt
-                ),
+                waiting_for_callback(record.attempt),
             ));
             draft.set(Want::f(
                 READY,
@@ -1665,6 +1665,27 @@ mod tests {
 
     /// Seed 004 steps 8–12 and what follows (image mode): status rebuilt from spec, the boot
     /// Secret deleted only once the store shows the machine ready, and never a new boot.
+    /// The power-on pass and the wait after it show the same BootReady, so the power-on costs
+    /// one status write, not two.
+    #[test]
+    fn the_power_on_and_the_wait_after_it_write_one_status() {
+        let boot_ready = |powered: Option<i64>| {
+            let o = Observed {
+                boot: BootObservation::Record(Box::new(record(1, powered, false))),
+                ..claimed(observed())
+            };
+            let d = decide(&o, &policy());
+            d.status
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == BOOT_READY)
+                .map(|c| (c.reason, c.message))
+        };
+        let powering = boot_ready(None);
+        assert!(powering.is_some(), "BootReady is set");
+        assert_eq!(powering, boot_ready(Some(-40)));
+    }
+
     #[test]
     fn provisioned_machines_never_boot_again() {
         let provisioned = |ready: bool, boot: BootObservation| {

@@ -140,6 +140,18 @@ async fn write_status(
     Ok(())
 }
 
+/// `status`, decided from generation `from`, stamped with `to`: the generation this pass's own
+/// spec write produced, which the decision already accounts for.
+fn restamped(mut status: MetalMachineStatus, from: Option<i64>, to: i64) -> MetalMachineStatus {
+    status.observed_generation = Some(to);
+    for c in &mut status.conditions {
+        if c.observed_generation == from {
+            c.observed_generation = Some(to);
+        }
+    }
+    status
+}
+
 /// The status to show when the step failed: the decision's, with the fault on Ready.
 fn with_fault(
     mut status: MetalMachineStatus,
@@ -189,8 +201,12 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
     tracing::debug!(?step, "decided");
     let key = super::key(mm.as_ref());
     match act::act(ctx, &observed, &step).await {
-        Ok(()) => {
+        Ok(acted) => {
             if !matches!(step, decide::Step::RemoveFinalizer) {
+                let status = match acted.generation {
+                    Some(generation) => restamped(status, mm.metadata.generation, generation),
+                    None => status,
+                };
                 write_status(ctx, &mm, &status).await?;
             }
             if let Some(note) = note {
@@ -316,4 +332,37 @@ pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>)
             }
         })
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+    /// The pass that records providerID (a spec write) stamps its status with the generation
+    /// that write produced, so the next pass has nothing left to write.
+    #[test]
+    fn a_status_decided_with_a_spec_write_carries_its_generation() {
+        let condition = |type_: &str, generation: i64| Condition {
+            type_: type_.into(),
+            status: "True".into(),
+            reason: "R".into(),
+            message: String::new(),
+            observed_generation: Some(generation),
+            last_transition_time: conditions::now(),
+        };
+        let status = MetalMachineStatus {
+            observed_generation: Some(1),
+            conditions: vec![condition("Ready", 1), condition("Older", 0)],
+            ..Default::default()
+        };
+        let stamped = restamped(status, Some(1), 2);
+        assert_eq!(stamped.observed_generation, Some(2));
+        let generations: Vec<_> = stamped
+            .conditions
+            .iter()
+            .map(|c| (c.type_.as_str(), c.observed_generation))
+            .collect();
+        assert_eq!(generations, [("Ready", Some(2)), ("Older", Some(0))]);
+    }
 }
