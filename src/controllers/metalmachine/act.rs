@@ -168,6 +168,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             )
             .await
             {
+                // The last finalizer gone, the object is deleted, and the answer may carry the
+                // very version it replaced (which sets no expectation): expect the deletion.
+                Ok(_) if removing => ctx.expectations.wrote(mm_key.clone(), replaced, None),
                 Ok(_) => {}
                 // Already gone: a pass decided from a store that still shows the deleted object.
                 Err(ActError::Api(ReconcileError::Write {
