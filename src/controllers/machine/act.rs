@@ -29,13 +29,22 @@ pub async fn patch_machine(
                 &Patch::Merge(&conditioned(patch, version.as_deref())),
             )
             .await
-            .map_err(ReconcileError::write(format!(
-                "Machine {} {what}",
-                m.name_any()
-            )))?;
+            .map_err(|e| {
+                stale_on_conflict(ctx, &e, super::machine_key(m), version.clone());
+                ReconcileError::write(format!("Machine {} {what}", m.name_any()))(e)
+            })?;
     ctx.expectations
         .wrote(super::machine_key(m), version, written.resource_version());
     Ok(())
+}
+
+/// A 409 says the version the write was conditioned on is stale: later passes wait until the
+/// store shows another one (or ask the apiserver after the TTL) rather than send the same
+/// stale write again.
+fn stale_on_conflict(ctx: &MachineContext, e: &kube::Error, key: String, version: Option<String>) {
+    if matches!(e, kube::Error::Api(s) if s.code == 409) {
+        ctx.expectations.wrote(key, version, None);
+    }
 }
 
 /// Adds the Machine's controller owner reference and the cluster-name label to `obj`.
@@ -61,6 +70,7 @@ async fn adopt(
         obj.resource_version().as_deref(),
     );
     let namespace = m.namespace().unwrap_or_default();
+    let key = crate::controllers::expectations::object_key(&r.kind, &namespace, &obj.name_any());
     let api = refs::api_for(&ctx.client, &namespace, r).await?;
     let written = api
         .patch(
@@ -69,17 +79,13 @@ async fn adopt(
             &Patch::Merge(&patch),
         )
         .await
-        .map_err(ReconcileError::write(format!(
-            "owner reference on {} {}",
-            r.kind,
-            obj.name_any()
-        )))?;
+        .map_err(|e| {
+            stale_on_conflict(ctx, &e, key.clone(), obj.resource_version());
+            ReconcileError::write(format!("owner reference on {} {}", r.kind, obj.name_any()))(e)
+        })?;
     // The next pass reads the object from its kind's watch: not before it shows this write.
-    ctx.expectations.wrote(
-        crate::controllers::expectations::object_key(&r.kind, &namespace, &obj.name_any()),
-        obj.resource_version(),
-        written.resource_version(),
-    );
+    ctx.expectations
+        .wrote(key, obj.resource_version(), written.resource_version());
     Ok(())
 }
 

@@ -60,16 +60,24 @@ where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let kind = K::kind(&());
+    let key = object_key(&kind, namespace, name);
     let patch = crate::controllers::conditioned(patch, replaced.as_deref());
-    let written = api
+    let written = match api
         .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
         .await
-        .map_err(write_error(format!("{kind} {name} {what}")))?;
-    ctx.expectations.wrote(
-        object_key(&kind, namespace, name),
-        replaced,
-        written.meta().resource_version.clone(),
-    );
+    {
+        Ok(written) => written,
+        Err(e) => {
+            if matches!(&e, kube::Error::Api(s) if s.code == 409) {
+                // The store's version is stale: the next passes wait until it moves (or ask the
+                // apiserver after the TTL) instead of sending the same stale patch again.
+                ctx.expectations.wrote(key, replaced, None);
+            }
+            return Err(write_error(format!("{kind} {name} {what}"))(e));
+        }
+    };
+    ctx.expectations
+        .wrote(key, replaced, written.meta().resource_version.clone());
     Ok(written)
 }
 
