@@ -242,7 +242,7 @@ impl Expectations {
     }
 }
 
-/// Whether a pending write is shown by a store showing `seen`.
+/// Drops entries nobody asked about for FORGET_AFTER (their object went away).
 fn forget_old(pending: &mut HashMap<String, Pending>) {
     let now = Instant::now();
     pending.retain(|_, entry| {
@@ -253,6 +253,7 @@ fn forget_old(pending: &mut HashMap<String, Pending>) {
     });
 }
 
+/// Whether a pending write is shown by a store showing `seen`.
 fn state_of(entry: &Pending, seen: Option<&str>) -> Seen {
     if !entry.replaced.iter().any(|r| r.as_deref() == seen) {
         Seen::Met

@@ -1663,8 +1663,6 @@ mod tests {
         }
     }
 
-    /// Seed 004 steps 8–12 and what follows (image mode): status rebuilt from spec, the boot
-    /// Secret deleted only once the store shows the machine ready, and never a new boot.
     /// The power-on pass and the wait after it show the same BootReady, so the power-on costs
     /// one status write, not two.
     #[test]
@@ -1686,6 +1684,8 @@ mod tests {
         assert_eq!(powering, boot_ready(Some(-40)));
     }
 
+    /// Seed 004 steps 8–12 and what follows (image mode): status rebuilt from spec, the boot
+    /// Secret deleted only once the store shows the machine ready, and never a new boot.
     #[test]
     fn provisioned_machines_never_boot_again() {
         let provisioned = |ready: bool, boot: BootObservation| {
