@@ -647,25 +647,15 @@ pub fn spawn(
     }
 }
 
-/// `kubeadm init phase upload-config all` and `kubeadm init phase bootstrap-token` through the
-/// admin `kubeconfig`, with one bootstrap `token` (15 minutes) and the cluster's control-plane
-/// `endpoint`. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2; the phases
-/// connect through the kubeconfig only.
-pub fn kubeadm_init_phases(
-    bin_dir: &Path,
-    kubeconfig: &Path,
-    endpoint: (&str, u16),
-    token: &str,
-    dir: &Path,
-) -> Result<(), ControlPlaneError> {
-    let kubernetes_version = kubernetes_version();
-    let (host, port) = endpoint;
-    let config = dir.join("kubeadm-init.yaml");
-    let text = format!(
+/// The kubeadm configuration of the init phases. The token is quoted: one made of digits only,
+/// or of digits with a single `e`, is a YAML number, which kubeadm read back shortened and then
+/// refused as malformed (seen once in CI: "773355.988232015").
+fn kubeadm_init_config(token: &str, host: &str, port: u16, kubernetes_version: &str) -> String {
+    format!(
         "apiVersion: kubeadm.k8s.io/v1beta4
 kind: InitConfiguration
 bootstrapTokens:
-- token: {token}
+- token: \"{token}\"
   ttl: 15m0s
   groups: [system:bootstrappers:kubeadm:default-node-token]
   usages: [signing, authentication]
@@ -682,7 +672,23 @@ controlPlaneEndpoint: {host}:{port}
 networking:
   podSubnet: 10.244.0.0/16
 "
-    );
+    )
+}
+
+/// `kubeadm init phase upload-config all` and `kubeadm init phase bootstrap-token` through the
+/// admin `kubeconfig`, with one bootstrap `token` (15 minutes) and the cluster's control-plane
+/// `endpoint`. kubeadm refuses a loopback advertise address, so it is told 10.0.2.2; the phases
+/// connect through the kubeconfig only.
+pub fn kubeadm_init_phases(
+    bin_dir: &Path,
+    kubeconfig: &Path,
+    endpoint: (&str, u16),
+    token: &str,
+    dir: &Path,
+) -> Result<(), ControlPlaneError> {
+    let (host, port) = endpoint;
+    let config = dir.join("kubeadm-init.yaml");
+    let text = kubeadm_init_config(token, host, port, kubernetes_version());
     fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
     // It names the token: readable by this user only (created so, never widened).
     {
@@ -884,6 +890,35 @@ users: null
                 (Err(words), Err(e)) => assert!(e.to_string().contains(words), "{e}"),
                 (want, got) => panic!("{input:?}: want {want:?}, got {got:?}"),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod kubeadm_config_tests {
+    use super::*;
+
+    /// A token of digits only (or digits with one `e`) stays a string, as kubeadm needs it.
+    #[test]
+    fn a_token_that_looks_like_a_number_stays_a_string() {
+        for token in [
+            "773355.9882320150123456",
+            "773355.98e2320150123456",
+            "abcdef.0123456789abcdef",
+        ] {
+            let text = kubeadm_init_config(token, "10.77.0.2", 6443, "v1.36.3");
+            let init: serde_yaml::Value = serde::Deserialize::deserialize(
+                serde_yaml::Deserializer::from_str(&text)
+                    .next()
+                    .expect("the InitConfiguration document"),
+            )
+            .expect("valid YAML");
+            assert_eq!(
+                init["bootstrapTokens"][0]["token"].as_str(),
+                Some(token),
+                "{token} read back as {:?}",
+                init["bootstrapTokens"][0]["token"]
+            );
         }
     }
 }
