@@ -92,34 +92,58 @@ impl Expectations {
         if replaced.is_some() && replaced == written {
             return;
         }
-        if let Ok(mut pending) = self.pending.lock() {
-            // Entries of objects that went away are dropped here too, so a controller without a
-            // sweep of its own keeps no more than the writes of the last FORGET_AFTER.
-            if pending.len() >= self.sweep_at.load(Ordering::Relaxed) {
-                forget_old(&mut pending);
-                self.sweep_at
-                    .store((pending.len() * 2).max(SWEEP_AT_LEAST), Ordering::Relaxed);
-            }
-            let due = self.due();
-            let entry = pending.entry(key).or_insert_with(|| Pending {
-                replaced: Vec::new(),
-                written: None,
-                due,
-                reported: false,
-            });
-            let earlier = entry.written.take().filter(|w| Some(w) != written.as_ref());
-            for older in [earlier.map(Some), Some(replaced)].into_iter().flatten() {
-                if !entry.replaced.contains(&older) {
-                    if entry.replaced.len() == REPLACED_KEPT {
-                        entry.replaced.remove(0);
-                    }
-                    entry.replaced.push(older);
+        self.record(key, replaced, Some(written));
+    }
+
+    /// A write conditioned on `version` was answered 409: the store's copy at `version` is
+    /// stale, and so is nothing else. Our own last written version is left as it was: it is
+    /// usually the apiserver's current one (the very write the 409 lost to), and marking it
+    /// stale would hold back every pass that waits for this object until it moved again.
+    pub fn conflicted(&self, key: String, version: Option<String>) {
+        self.record(key, version, None);
+    }
+
+    /// Adds `stale` to the versions the store must move past; with `written`, a write of ours
+    /// produced that version (and the one before it, if any, becomes stale too).
+    fn record(&self, key: String, stale: Option<String>, written: Option<Option<String>>) {
+        let Ok(mut pending) = self.pending.lock() else {
+            return;
+        };
+        // Entries of objects that went away are dropped here too, so a controller without a
+        // sweep of its own keeps no more than the writes of the last FORGET_AFTER.
+        if pending.len() >= self.sweep_at.load(Ordering::Relaxed) {
+            forget_old(&mut pending);
+            self.sweep_at
+                .store((pending.len() * 2).max(SWEEP_AT_LEAST), Ordering::Relaxed);
+        }
+        let due = self.due();
+        let entry = pending.entry(key).or_insert_with(|| Pending {
+            replaced: Vec::new(),
+            written: None,
+            due,
+            reported: false,
+        });
+        let earlier = match &written {
+            Some(now) => entry.written.take().filter(|w| Some(w) != now.as_ref()),
+            None => None,
+        };
+        for older in [earlier.map(Some), Some(stale)].into_iter().flatten() {
+            if !entry.replaced.contains(&older) {
+                if entry.replaced.len() == REPLACED_KEPT {
+                    entry.replaced.remove(0);
                 }
+                entry.replaced.push(older);
+            }
+        }
+        if let Some(written) = written {
+            // A write's own answer is never stale when it arrives.
+            if written.is_some() {
+                entry.replaced.retain(|r| *r != written);
             }
             entry.written = written;
-            entry.due = due;
-            entry.reported = false;
         }
+        entry.due = due;
+        entry.reported = false;
     }
 
     /// Where the store's version of `key` (`seen`, None when absent) stands against our last
@@ -339,6 +363,22 @@ mod tests {
         );
         assert!(met(&e, "S/ns/a", Some("12")));
         assert!(e.is_empty());
+        // A 409 marks only the version the write was conditioned on: our own last write (the
+        // one it lost to) stays current.
+        e.wrote("S/ns/d".into(), Some("40".into()), Some("41".into()));
+        e.conflicted("S/ns/d".into(), Some("40".into()));
+        assert_eq!(e.check("S/ns/d", Some("40")), Seen::Waiting);
+        assert!(
+            met(&e, "S/ns/d", Some("41")),
+            "our write is the current version"
+        );
+        e.conflicted("S/ns/e".into(), Some("50".into()));
+        assert_eq!(
+            e.check("S/ns/e", Some("50")),
+            Seen::Waiting,
+            "stale until it moves"
+        );
+        assert!(met(&e, "S/ns/e", Some("52")));
         // A spec write, then a status write sent with the version read before the spec write:
         // the spec write's version is older than the status write's too.
         e.wrote("S/ns/c".into(), Some("30".into()), Some("31".into()));
@@ -353,6 +393,7 @@ mod tests {
         e.wrote("S/ns/b".into(), Some("20".into()), Some("21".into()));
         e.wrote("S/ns/b".into(), Some("21".into()), None);
         assert_eq!(e.check("S/ns/b", Some("20")), Seen::Waiting);
+        assert_eq!(e.check("S/ns/b", Some("21")), Seen::Waiting);
         assert!(met(&e, "S/ns/b", None), "gone");
     }
 

@@ -43,7 +43,7 @@ pub async fn patch_machine(
 /// stale write again.
 fn stale_on_conflict(ctx: &MachineContext, e: &kube::Error, key: String, version: Option<String>) {
     if matches!(e, kube::Error::Api(s) if s.code == 409) {
-        ctx.expectations.wrote(key, version, None);
+        ctx.expectations.conflicted(key, version);
     }
 }
 

@@ -73,6 +73,7 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
                 .filter(|f| *f != FINALIZER)
                 .cloned()
                 .collect();
+            let emptied = finalizers.is_empty();
             // Conditioned on the version our status write produced, not the one we read.
             match super::act::patch_machine(
                 ctx,
@@ -94,8 +95,10 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
             // The last finalizer gone, the object is deleted and the answer may carry the very
             // version it replaced: expect the deletion, so a pass from a store that still shows
             // the object waits for it instead of patching a deleted object.
-            ctx.expectations
-                .wrote(super::machine_key(&m), version, None);
+            if emptied {
+                ctx.expectations
+                    .wrote(super::machine_key(&m), version, None);
+            }
             ctx.triggers.forget_machine(m.as_ref());
             ctx.backoff.reset(&key(m.as_ref()));
             Ok(Action::await_change())

@@ -71,7 +71,7 @@ where
             if matches!(&e, kube::Error::Api(s) if s.code == 409) {
                 // The store's version is stale: the next passes wait until it moves (or ask the
                 // apiserver after the TTL) instead of sending the same stale patch again.
-                ctx.expectations.wrote(key, replaced, None);
+                ctx.expectations.conflicted(key, replaced);
             }
             return Err(write_error(format!("{kind} {name} {what}"))(e));
         }
@@ -162,6 +162,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             }
             // Conditioned on the version we decided from: a stale read is a 409 and a new
             // decision, never a lost finalizer of someone else.
+            let emptied = finalizers.is_empty();
             let patch = serde_json::json!({"metadata": {"finalizers": finalizers}});
             let replaced = mm.resource_version();
             let removing = *step == Step::RemoveFinalizer;
@@ -178,7 +179,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             {
                 // The last finalizer gone, the object is deleted, and the answer may carry the
                 // very version it replaced (which sets no expectation): expect the deletion.
-                Ok(_) if removing => ctx.expectations.wrote(mm_key.clone(), replaced, None),
+                Ok(_) if removing && emptied => {
+                    ctx.expectations.wrote(mm_key.clone(), replaced, None)
+                }
                 Ok(_) => {}
                 // Already gone: a pass decided from a store that still shows the deleted object.
                 Err(ActError::Api(ReconcileError::Write {
