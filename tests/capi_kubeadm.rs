@@ -402,6 +402,11 @@ async fn cabpk_workers_join_run_and_scale_down_under_upstream_core() {
         .and_then(|s| s.node_info.as_ref())
         .expect("nodeInfo");
     assert_eq!(info.kubelet_version, kubeadm::kubernetes_version());
+    assert!(
+        info.container_runtime_version.starts_with("containerd://"),
+        "{}",
+        info.container_runtime_version
+    );
     timeline.print("kubeadm worker under upstream core + CABPK (TCG, 2 vCPU, 2 GiB, live Debian), from kubectl apply:");
     println!(
         "Node {}: providerID {provider_id}, kubelet {}, runtime {}",
@@ -504,7 +509,7 @@ async fn cabpk_workers_join_run_and_scale_down_under_upstream_core() {
 /// timeout fails the MetalMachine; core shows it on the Machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cabpk_join_that_fails_ends_in_the_boot_timeout_shown_on_the_machine() {
-    let cluster = KubeadmCluster::start("kubeadm-fail", "52:54:00:6d:62:31", 45, 420).await;
+    let cluster = KubeadmCluster::start("kubeadm-fail", "52:54:00:6d:62:31", 45, 330).await;
     let client = cluster.mgmt.client.clone();
     let config = support::eventually_or("CABPK renders the join", 300, || async {
         cluster.rendered_config().await

@@ -55,8 +55,9 @@ where
     }
 }
 
-/// One lab at a time: two would share two cores under TCG.
-static ONE_LAB: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Two hosts' worth of labs at a time, as many as there are cores under TCG: the three-host lab
+/// runs alone, the two one-host labs side by side (each in its own namespace and directory).
+static LAB_SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
 /// Runs `lab down` however the test ends, so a failed assertion leaves no QEMU or apiserver behind.
 struct LabDownOnDrop(String);
@@ -69,7 +70,7 @@ impl Drop for LabDownOnDrop {
 
 #[tokio::test]
 async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_cleanly() {
-    let _one = ONE_LAB.lock().await;
+    let _slots = LAB_SLOTS.acquire_many(2).await.expect("lab slots");
     let dir: PathBuf = metalboot::controlplane::project_dir()
         .join(format!("target/e2e-lab-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -409,7 +410,7 @@ async fn lab_up_provisions_bios_uefi_pxe_and_uefi_http_hosts_and_tears_down_clea
 /// MetalHost the agent's inventory.
 #[tokio::test]
 async fn lab_up_in_image_mode_writes_the_os_to_disk_and_boots_it() {
-    let _one = ONE_LAB.lock().await;
+    let _slot = LAB_SLOTS.acquire().await.expect("a lab slot");
     let dir: PathBuf = metalboot::controlplane::project_dir()
         .join(format!("target/e2e-lab-image-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -490,7 +491,7 @@ async fn lab_up_in_image_mode_writes_the_os_to_disk_and_boots_it() {
 /// whose providerID the kubelet took from metalboot's meta-data.
 #[tokio::test]
 async fn lab_up_kubeadm_joins_a_real_node() {
-    let _one = ONE_LAB.lock().await;
+    let _slot = LAB_SLOTS.acquire().await.expect("a lab slot");
     let dir: PathBuf = metalboot::controlplane::project_dir()
         .join(format!("target/e2e-lab-kubeadm-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,5 +1,5 @@
 //! What `kubeadm init` leaves on a control plane for joining nodes, made by the real kubeadm
-//! phases against a join-ready test control plane. Used by `control_plane` and `kubeadm_join`.
+//! phases against a join-ready test control plane. Used by `control_plane` and `capi_kubeadm`.
 #![allow(dead_code)]
 
 use std::path::Path;
