@@ -40,6 +40,10 @@ pub enum Seen {
 /// store catches up: a pass writes at most two).
 const REPLACED_KEPT: usize = 8;
 
+/// How many writers one pending expectation names (a claim and the 409s of machines that raced
+/// for the same host; one more is dropped oldest first).
+const WRITERS_KEPT: usize = 4;
+
 struct Pending {
     /// The resourceVersions our writes replaced since the store last caught up (None for a
     /// create), oldest first. All of them, not just the last: a pass that writes twice (status,
@@ -56,6 +60,9 @@ struct Pending {
     due: Instant,
     /// Whether a lag past the TTL was already reported for this write.
     reported: bool,
+    /// On whose behalf the writes were made (e.g. `MetalMachine/<ns>/<name>` for a host it
+    /// claimed), so a pass waits only for the writes that concern its object.
+    writers: Vec<String>,
 }
 
 /// Expectations of one controller, keyed by `Kind/namespace/name`.
@@ -92,7 +99,21 @@ impl Expectations {
         if replaced.is_some() && replaced == written {
             return;
         }
-        self.record(key, replaced, Some(written));
+        self.record(key, replaced, Some(written), None);
+    }
+
+    /// [`Expectations::wrote`] on behalf of `writer` (the object whose decision made the write).
+    pub fn wrote_for(
+        &self,
+        key: String,
+        replaced: Option<String>,
+        written: Option<String>,
+        writer: &str,
+    ) {
+        if replaced.is_some() && replaced == written {
+            return;
+        }
+        self.record(key, replaced, Some(written), Some(writer));
     }
 
     /// A write conditioned on `version` was answered 409: the store's copy at `version` is
@@ -100,12 +121,23 @@ impl Expectations {
     /// usually the apiserver's current one (the very write the 409 lost to), and marking it
     /// stale would hold back every pass that waits for this object until it moved again.
     pub fn conflicted(&self, key: String, version: Option<String>) {
-        self.record(key, version, None);
+        self.record(key, version, None, None);
+    }
+
+    /// [`Expectations::conflicted`] on behalf of `writer`.
+    pub fn conflicted_for(&self, key: String, version: Option<String>, writer: &str) {
+        self.record(key, version, None, Some(writer));
     }
 
     /// Adds `stale` to the versions the store must move past; with `written`, a write of ours
     /// produced that version (and the one before it, if any, becomes stale too).
-    fn record(&self, key: String, stale: Option<String>, written: Option<Option<String>>) {
+    fn record(
+        &self,
+        key: String,
+        stale: Option<String>,
+        written: Option<Option<String>>,
+        writer: Option<&str>,
+    ) {
         let Ok(mut pending) = self.pending.lock() else {
             return;
         };
@@ -122,7 +154,16 @@ impl Expectations {
             written: None,
             due,
             reported: false,
+            writers: Vec::new(),
         });
+        if let Some(writer) = writer
+            && !entry.writers.iter().any(|w| w == writer)
+        {
+            if entry.writers.len() == WRITERS_KEPT {
+                entry.writers.remove(0);
+            }
+            entry.writers.push(writer.to_string());
+        }
         let earlier = match &written {
             Some(now) => entry.written.take().filter(|w| Some(w) != now.as_ref()),
             None => None,
@@ -162,14 +203,18 @@ impl Expectations {
         state
     }
 
-    /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that the store does
-    /// not reflect yet, with how long it has waited; `seen(key)` gives the store's version. Only
-    /// pending entries are looked at, so this costs nothing per object in the store. Overdue
-    /// entries are reported before waiting ones, so each gets its question to the apiserver.
+    /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
+    /// caller and that the store does not reflect yet, with how long it has waited; `seen(key)`
+    /// gives the store's version, `concerns(key, writers)` whether the caller waits for that
+    /// object (writers: on whose behalf it was written). Only pending entries are looked at, so
+    /// this costs nothing per object in the store; met ones are forgotten whoever they concern.
+    /// Overdue entries are reported before waiting ones, so each gets its question to the
+    /// apiserver.
     pub fn first_unmet(
         &self,
         prefix: &str,
         seen: impl Fn(&str) -> Option<String>,
+        concerns: impl Fn(&str, &[String]) -> bool,
     ) -> Option<(String, Seen)> {
         let Ok(mut pending) = self.pending.lock() else {
             return None;
@@ -182,6 +227,9 @@ impl Expectations {
             // Every entry under the prefix is checked, so met ones are forgotten whatever the
             // map's order.
             let state = state_of(entry, seen(key).as_deref());
+            if state != Seen::Met && !concerns(key, &entry.writers) {
+                return true;
+            }
             let better = match &unmet {
                 None => state != Seen::Met,
                 Some((_, found)) => *found == Seen::Waiting && state == Seen::Overdue,
@@ -424,7 +472,7 @@ mod tests {
             _ => None,
         };
         assert_eq!(
-            e.first_unmet("H/ns/", store),
+            e.first_unmet("H/ns/", store, |_, _| true),
             Some(("H/ns/b".into(), Seen::Waiting))
         );
         assert!(met(&e, "H/ns/a", Some("1")), "a was met and forgotten");
@@ -500,8 +548,55 @@ mod tests {
             _ => Some("5".to_string()),
         };
         assert_eq!(
-            e.first_unmet("H/ns/", store),
+            e.first_unmet("H/ns/", store, |_, _| true),
             Some(("H/ns/b".into(), Seen::Overdue))
         );
+    }
+
+    /// A machine waits for the host it claimed and for hosts that name it, not for every host
+    /// another machine wrote: under a storm that wait never ended.
+    #[test]
+    fn a_pass_waits_only_for_the_writes_that_concern_it() {
+        let e = Expectations::default();
+        e.wrote_for(
+            "H/ns/a".into(),
+            Some("1".into()),
+            Some("2".into()),
+            "M/ns/m1",
+        );
+        e.wrote_for(
+            "H/ns/b".into(),
+            Some("5".into()),
+            Some("6".into()),
+            "M/ns/m2",
+        );
+        e.conflicted_for("H/ns/b".into(), Some("5".into()), "M/ns/m3");
+        e.wrote("H/ns/c".into(), Some("8".into()), Some("9".into()));
+        let store = |key: &str| match key {
+            "H/ns/a" => Some("1".to_string()),
+            "H/ns/b" => Some("5".to_string()),
+            _ => Some("8".to_string()),
+        };
+        let by =
+            |who: &'static str| move |_: &str, writers: &[String]| writers.iter().any(|w| w == who);
+        assert_eq!(
+            e.first_unmet("H/ns/", store, by("M/ns/m1")),
+            Some(("H/ns/a".into(), Seen::Waiting))
+        );
+        assert_eq!(
+            e.first_unmet("H/ns/", store, by("M/ns/m3")),
+            Some(("H/ns/b".into(), Seen::Waiting)),
+            "a machine that lost the race for b waits for b too"
+        );
+        assert_eq!(e.first_unmet("H/ns/", store, by("M/ns/m4")), None);
+        assert_eq!(
+            e.first_unmet("H/ns/", store, |key, _| key == "H/ns/c"),
+            Some(("H/ns/c".into(), Seen::Waiting)),
+            "a host that names the machine in the store concerns it whoever wrote it"
+        );
+        // Met entries are forgotten even when they concern someone else.
+        let caught_up = |_: &str| Some("99".to_string());
+        assert_eq!(e.first_unmet("H/ns/", caught_up, by("M/ns/m4")), None);
+        assert!(e.is_empty());
     }
 }

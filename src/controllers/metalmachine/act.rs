@@ -45,12 +45,12 @@ pub async fn bmc_for(ctx: &MachineContext, host: &MetalHost) -> Result<Arc<dyn B
 }
 
 /// A merge patch conditioned on `replaced`, the resourceVersion the decision was made from (a
-/// stale decision becomes a 409 and is decided again), recorded as an expectation so the next
-/// decision waits until the store shows it.
+/// stale decision becomes a 409 and is decided again), recorded as an expectation on behalf of
+/// `writer` (the MetalMachine deciding) so its next decision waits until the store shows it.
 async fn patch_from<K>(
     ctx: &MachineContext,
+    writer: &MetalMachine,
     api: &Api<K>,
-    namespace: &str,
     name: &str,
     replaced: Option<String>,
     patch: serde_json::Value,
@@ -60,7 +60,10 @@ where
     K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let kind = K::kind(&());
-    let key = object_key(&kind, namespace, name);
+    // Every object a MetalMachine writes is in its own namespace.
+    let namespace = writer.namespace().unwrap_or_default();
+    let key = object_key(&kind, &namespace, name);
+    let writer = object_key("MetalMachine", &namespace, &writer.name_any());
     let patch = crate::controllers::conditioned(patch, replaced.as_deref());
     let written = match api
         .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(&patch))
@@ -71,13 +74,17 @@ where
             if matches!(&e, kube::Error::Api(s) if s.code == 409) {
                 // The store's version is stale: the next passes wait until it moves (or ask the
                 // apiserver after the TTL) instead of sending the same stale patch again.
-                ctx.expectations.conflicted(key, replaced);
+                ctx.expectations.conflicted_for(key, replaced, &writer);
             }
             return Err(write_error(format!("{kind} {name} {what}"))(e));
         }
     };
-    ctx.expectations
-        .wrote(key, replaced, written.meta().resource_version.clone());
+    ctx.expectations.wrote_for(
+        key,
+        replaced,
+        written.meta().resource_version.clone(),
+        &writer,
+    );
     Ok(written)
 }
 
@@ -168,8 +175,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let removing = *step == Step::RemoveFinalizer;
             match patch_from(
                 ctx,
+                mm,
                 &machines,
-                &namespace,
                 &name,
                 replaced.clone(),
                 patch,
@@ -210,7 +217,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let consumer = ConsumerReference::to_metal_machine(&name, &namespace);
             let patch = super::claim::claim_patch(&consumer);
             let replaced = Some(resource_version.clone());
-            patch_from(ctx, &hosts, &namespace, host, replaced, patch, "claim").await?;
+            patch_from(ctx, mm, &hosts, host, replaced, patch, "claim").await?;
             Ok(Acted::default())
         }
         Step::Mint { host, provider_id } => {
@@ -286,16 +293,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             ctx.power_ons.record(&mm_key, action);
             let patch = tokens::powered_patch(o.now, boot_once);
             let replaced = record.resource_version.clone();
-            patch_from(
-                ctx,
-                &secrets,
-                &namespace,
-                &boot_name,
-                replaced,
-                patch,
-                "powered-at",
-            )
-            .await?;
+            patch_from(ctx, mm, &secrets, &boot_name, replaced, patch, "powered-at").await?;
             let (reason, note) = match record.clean {
                 Some(mode) => (
                     "CleaningStarted",
@@ -396,16 +394,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 "spec": spec,
             });
             let replaced = mm.resource_version();
-            let written = patch_from(
-                ctx,
-                &machines,
-                &namespace,
-                &name,
-                replaced,
-                patch,
-                "providerID",
-            )
-            .await?;
+            let written =
+                patch_from(ctx, mm, &machines, &name, replaced, patch, "providerID").await?;
             if let BootObservation::Record(record) = &o.boot
                 && let Some(callback) = &record.callback
                 && let Ok(called) = callback.received_at.parse::<jiff::Timestamp>()
@@ -457,8 +447,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             ctx.power_ons.record(&mm_key, PowerAction::Cycle);
             patch_from(
                 ctx,
+                mm,
                 &secrets,
-                &namespace,
                 &boot_name,
                 record.resource_version.clone(),
                 tokens::disk_boot_patch(o.now),
@@ -582,8 +572,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let failed = fault.as_ref().map(|f| release_fault_message(&name, f));
             let patch = super::claim::release_patch(failed.as_deref());
             let replaced = Some(resource_version.clone());
-            let written =
-                patch_from(ctx, &hosts, &namespace, host, replaced, patch, "release").await?;
+            let written = patch_from(ctx, mm, &hosts, host, replaced, patch, "release").await?;
             ctx.power_requests.forget(&mm_key);
             if fault.is_some() {
                 ctx.events

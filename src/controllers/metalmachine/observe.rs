@@ -141,8 +141,25 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
             .and_then(|h| h.resource_version())
     };
     let host_api: Api<MetalHost> = Api::namespaced(ctx.client.clone(), &namespace);
+    // Only the host writes that concern this machine hold it back: its own claims and releases
+    // (and claims it lost with a 409), and hosts the store shows claimed by it. Under a storm,
+    // waiting for every host any machine wrote held each pass for seconds; another machine's
+    // claim of a host this one then picks is refused by its resourceVersion precondition.
+    let names_this_machine = |key: &str| {
+        let host = key.strip_prefix(&host_prefix).unwrap_or_default();
+        stores
+            .hosts
+            .get(&ObjectRef::new(host).within(&namespace))
+            .and_then(|h| h.spec.consumer_ref.clone())
+            .is_some_and(|c| c.is_metal_machine(&namespace, &name))
+    };
+    let concerns =
+        |key: &str, writers: &[String]| writers.contains(&mm_key) || names_this_machine(key);
     // Each pass ends an entry (met, or confirmed by the apiserver) or returns, so this ends.
-    while let Some((key, _)) = ctx.expectations.first_unmet(&host_prefix, host_version) {
+    while let Some((key, _)) = ctx
+        .expectations
+        .first_unmet(&host_prefix, host_version, concerns)
+    {
         let host = key.strip_prefix(&host_prefix).unwrap_or_default();
         let seen = host_version(&key);
         if !store_reflects(&ctx.expectations, &host_api, &key, host, seen.as_deref()).await {
