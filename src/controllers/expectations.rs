@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kube::api::Api;
@@ -63,6 +63,9 @@ struct Pending {
     /// On whose behalf the writes were made (e.g. `MetalMachine/<ns>/<name>` for a host it
     /// claimed), so a pass waits only for the writes that concern its object.
     writers: Vec<String>,
+    /// The controller's write count when this entry was last recorded: an answer the apiserver
+    /// gave to a question asked before then says nothing about the later write.
+    recorded: u64,
 }
 
 /// Expectations of one controller, keyed by `Kind/namespace/name`.
@@ -71,6 +74,8 @@ pub struct Expectations {
     ttl: Duration,
     /// The size at which the next write sweeps out old entries first.
     sweep_at: AtomicUsize,
+    /// Writes recorded so far (see `Pending::recorded`).
+    records: AtomicU64,
 }
 
 /// The smallest map a write-time sweep waits for.
@@ -89,6 +94,7 @@ impl Expectations {
             pending: Mutex::default(),
             ttl,
             sweep_at: AtomicUsize::new(SWEEP_AT_LEAST),
+            records: AtomicU64::new(0),
         }
     }
 
@@ -155,7 +161,9 @@ impl Expectations {
             due,
             reported: false,
             writers: Vec::new(),
+            recorded: 0,
         });
+        entry.recorded = self.records.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(writer) = writer
             && !entry.writers.iter().any(|w| w == writer)
         {
@@ -245,11 +253,16 @@ impl Expectations {
     /// The apiserver's answer about an overdue `key`: `live` is its resourceVersion (None when
     /// the object is gone), `seen` the store's. The same version means the store is current
     /// and our write was superseded (the wait ends, true); another means the store is behind
-    /// (the wait goes on for another TTL, reported once per write, false).
-    pub fn confirm(&self, key: &str, seen: Option<&str>, live: Option<&str>) -> bool {
+    /// (the wait goes on for another TTL, reported once per write, false). `asked` is
+    /// [`Expectations::asking`] from before the question: a write recorded since then is newer
+    /// than the answer, which then ends nothing.
+    pub fn confirm(&self, key: &str, seen: Option<&str>, live: Option<&str>, asked: u64) -> bool {
         let Ok(mut pending) = self.pending.lock() else {
             return true;
         };
+        if pending.get(key).is_some_and(|entry| entry.recorded > asked) {
+            return false;
+        }
         if live == seen {
             if pending.remove(key).is_some() {
                 tracing::debug!(
@@ -274,6 +287,11 @@ impl Expectations {
         }
         crate::metrics::record_store_lag(kind_of(key), "behind");
         false
+    }
+
+    /// Taken before asking the apiserver about an overdue key, for [`Expectations::confirm`].
+    pub fn asking(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
     }
 
     /// The apiserver could not be asked about an overdue `key`: wait another TTL.
@@ -356,17 +374,20 @@ where
     match expectations.check(key, seen) {
         Seen::Met => true,
         Seen::Waiting => false,
-        Seen::Overdue => match api.get_metadata_opt(name).await {
-            Ok(live) => {
-                let live = live.and_then(|m| m.metadata.resource_version);
-                expectations.confirm(key, seen, live.as_deref())
+        Seen::Overdue => {
+            let asked = expectations.asking();
+            match api.get_metadata_opt(name).await {
+                Ok(live) => {
+                    let live = live.and_then(|m| m.metadata.resource_version);
+                    expectations.confirm(key, seen, live.as_deref(), asked)
+                }
+                Err(e) => {
+                    tracing::debug!(object = key, error = %e, "could not ask the apiserver about a lagging store");
+                    expectations.unconfirmed(key);
+                    false
+                }
             }
-            Err(e) => {
-                tracing::debug!(object = key, error = %e, "could not ask the apiserver about a lagging store");
-                expectations.unconfirmed(key);
-                false
-            }
-        },
+        }
     }
 }
 
@@ -499,22 +520,41 @@ mod tests {
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         // The apiserver has our write (11) or a later one (14): the store is behind.
-        assert!(!e.confirm("S/ns/a", Some("10"), Some("11")));
-        assert!(!e.confirm("S/ns/a", Some("10"), Some("14")));
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("11"), e.asking()));
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("14"), e.asking()));
         assert_eq!(
             e.check("S/ns/a", Some("10")),
             Seen::Overdue,
             "still waiting"
         );
         // Deleted since: the store still shows it, so it is behind too.
-        assert!(!e.confirm("S/ns/a", Some("10"), None));
+        assert!(!e.confirm("S/ns/a", Some("10"), None, e.asking()));
         // The apiserver shows 10 (our write was undone by a restore, say): decide from it.
-        assert!(e.confirm("S/ns/a", Some("10"), Some("10")));
+        assert!(e.confirm("S/ns/a", Some("10"), Some("10"), e.asking()));
         assert!(e.is_empty());
         // A create whose object is gone again, in the apiserver as in the store.
         e.wrote("S/ns/b".into(), None, Some("3".into()));
         assert_eq!(e.check("S/ns/b", None), Seen::Overdue);
-        assert!(e.confirm("S/ns/b", None, None));
+        assert!(e.confirm("S/ns/b", None, None, e.asking()));
+    }
+
+    /// A write recorded while the question was on its way: the apiserver's answer predates it,
+    /// so it ends nothing (before, "the apiserver agrees with the store" dropped the new write).
+    #[test]
+    fn an_answer_older_than_a_write_ends_nothing() {
+        let e = Expectations::with_ttl(Duration::ZERO);
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
+        let asked = e.asking();
+        // Another pass writes while the GET is in flight; the GET read the object before that.
+        e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
+        assert!(!e.confirm("S/ns/a", Some("11"), Some("11"), asked));
+        assert_eq!(
+            e.check("S/ns/a", Some("11")),
+            Seen::Overdue,
+            "still waiting"
+        );
+        assert!(e.confirm("S/ns/a", Some("11"), Some("11"), e.asking()));
     }
 
     #[test]
@@ -523,7 +563,7 @@ mod tests {
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         e.ttl = Duration::from_secs(3600);
-        assert!(!e.confirm("S/ns/a", Some("10"), Some("11")));
+        assert!(!e.confirm("S/ns/a", Some("10"), Some("11"), e.asking()));
         assert_eq!(
             e.check("S/ns/a", Some("10")),
             Seen::Waiting,
