@@ -16,10 +16,12 @@ mkdir -p target
 log="target/test.log"
 
 summarize() {
-    awk '/test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) g += $i } }
+    awk '/^([a-z]+\| )?test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) g += $i } }
          END { printf "\nsummary: %d passed, %d failed, %d ignored\n", p, f, g }' "$log"
     grep -E '^([a-z]+\| )?test .* \.\.\. FAILED$' "$log" |
         sed -E 's/^([a-z]+\| )?test (.*) \.\.\. FAILED$/  failed: \2/'
+    # A binary that crashed prints no test result; cargo still names it.
+    grep -E 'error: test failed, to rerun pass' "$log" | sed -E 's/^([a-z]+\| )?error: /  /'
 }
 
 if [ $# -gt 0 ]; then

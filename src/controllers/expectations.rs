@@ -40,9 +40,11 @@ pub enum Seen {
 /// store catches up: a pass writes at most two).
 const REPLACED_KEPT: usize = 8;
 
-/// How many writers one pending expectation names (a claim and the 409s of machines that raced
-/// for the same host; one more is dropped oldest first).
-const WRITERS_KEPT: usize = 4;
+/// How many writers whose conditioned write lost (409) one pending expectation names (machines
+/// that raced for the same host; one more is dropped oldest first). Writers whose write went
+/// through are never dropped: evicting a claim's own machine would let it decide from a store
+/// without its claim, and claim a second host.
+const LOSERS_KEPT: usize = 4;
 
 struct Pending {
     /// The resourceVersions our writes replaced since the store last caught up (None for a
@@ -61,8 +63,11 @@ struct Pending {
     /// Whether a lag past the TTL was already reported for this write.
     reported: bool,
     /// On whose behalf the writes were made (e.g. `MetalMachine/<ns>/<name>` for a host it
-    /// claimed), so a pass waits only for the writes that concern its object.
+    /// claimed), so a pass waits only for the writes that concern its object. Conditioned
+    /// writes to one object go through one at a time, so this stays short.
     writers: Vec<String>,
+    /// On whose behalf writes were answered 409 (at most `LOSERS_KEPT`).
+    losers: Vec<String>,
     /// The controller's write count when this entry was last recorded: an answer the apiserver
     /// gave to a question asked before then says nothing about the later write.
     recorded: u64,
@@ -161,16 +166,21 @@ impl Expectations {
             due,
             reported: false,
             writers: Vec::new(),
+            losers: Vec::new(),
             recorded: 0,
         });
         entry.recorded = self.records.fetch_add(1, Ordering::Relaxed) + 1;
-        if let Some(writer) = writer
-            && !entry.writers.iter().any(|w| w == writer)
-        {
-            if entry.writers.len() == WRITERS_KEPT {
-                entry.writers.remove(0);
+        match (writer, written.is_some()) {
+            (Some(writer), true) if !entry.writers.iter().any(|w| w == writer) => {
+                entry.writers.push(writer.to_string());
             }
-            entry.writers.push(writer.to_string());
+            (Some(writer), false) if !entry.losers.iter().any(|w| w == writer) => {
+                if entry.losers.len() == LOSERS_KEPT {
+                    entry.losers.remove(0);
+                }
+                entry.losers.push(writer.to_string());
+            }
+            _ => {}
         }
         let earlier = match &written {
             Some(now) => entry.written.take().filter(|w| Some(w) != now.as_ref()),
@@ -214,7 +224,8 @@ impl Expectations {
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
     /// caller and that the store does not reflect yet, with how long it has waited; `seen(key)`
     /// gives the store's version, `concerns(key, writers)` whether the caller waits for that
-    /// object (writers: on whose behalf it was written). Only pending entries are looked at, so
+    /// object (writers: on whose behalf it was written, then, asked again, on whose behalf a
+    /// write to it was answered 409). Only pending entries are looked at, so
     /// this costs nothing per object in the store; met ones are forgotten whoever they concern.
     /// Overdue entries are reported before waiting ones, so each gets its question to the
     /// apiserver.
@@ -235,7 +246,8 @@ impl Expectations {
             // Every entry under the prefix is checked, so met ones are forgotten whatever the
             // map's order.
             let state = state_of(entry, seen(key).as_deref());
-            if state != Seen::Met && !concerns(key, &entry.writers) {
+            if state != Seen::Met && !concerns(key, &entry.writers) && !concerns(key, &entry.losers)
+            {
                 return true;
             }
             let better = match &unmet {
@@ -633,6 +645,19 @@ mod tests {
             e.first_unmet("H/ns/", store, |key, _| key == "H/ns/c"),
             Some(("H/ns/c".into(), Seen::Waiting)),
             "a host that names the machine in the store concerns it whoever wrote it"
+        );
+        // However many machines lose the race for a host, the one whose claim went through
+        // keeps waiting for it.
+        for loser in ["M/ns/l1", "M/ns/l2", "M/ns/l3", "M/ns/l4", "M/ns/l5"] {
+            e.conflicted_for("H/ns/a".into(), Some("1".into()), loser);
+        }
+        assert_eq!(
+            e.first_unmet("H/ns/", store, by("M/ns/m1")),
+            Some(("H/ns/a".into(), Seen::Waiting))
+        );
+        assert_eq!(
+            e.first_unmet("H/ns/", store, by("M/ns/l5")),
+            Some(("H/ns/a".into(), Seen::Waiting))
         );
         // Met entries are forgotten even when they concern someone else.
         let caught_up = |_: &str| Some("99".to_string());

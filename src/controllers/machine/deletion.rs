@@ -176,16 +176,18 @@ async fn cleanup(
             let deleting = obj.metadata.deletion_timestamp.is_some()
                 || ctx.expectations.check(&ref_key, seen.as_deref()) != Seen::Met;
             if !deleting {
-                let answer = api
-                    .delete(&r.name, &DeleteParams::default())
-                    .await
-                    .map_err(ReconcileError::write(format!(
-                        "deleting {} {}",
-                        r.kind, r.name
-                    )))?;
                 // Held by finalizers, the answer is the object with its deletionTimestamp; gone
-                // at once, there is no version left.
-                let written = answer.left().and_then(|o| o.resource_version());
+                // at once (or already gone: a 404), there is no version left.
+                let written = match api.delete(&r.name, &DeleteParams::default()).await {
+                    Ok(answer) => answer.left().and_then(|o| o.resource_version()),
+                    Err(kube::Error::Api(e)) if e.code == 404 => None,
+                    Err(e) => {
+                        return Err(ReconcileError::write(format!(
+                            "deleting {} {}",
+                            r.kind, r.name
+                        ))(e));
+                    }
+                };
                 ctx.expectations.wrote(ref_key, seen, written);
             }
             conditions::set(
