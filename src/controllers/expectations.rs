@@ -107,10 +107,7 @@ impl Expectations {
     /// create), `written` the one it produced (None for a delete). A write that changed nothing
     /// (same version) sets no expectation.
     pub fn wrote(&self, key: String, replaced: Option<String>, written: Option<String>) {
-        if replaced.is_some() && replaced == written {
-            return;
-        }
-        self.record(key, replaced, Some(written), None);
+        self.wrote_as(key, replaced, written, None);
     }
 
     /// [`Expectations::wrote`] on behalf of `writer` (the object whose decision made the write).
@@ -121,10 +118,20 @@ impl Expectations {
         written: Option<String>,
         writer: &str,
     ) {
+        self.wrote_as(key, replaced, written, Some(writer));
+    }
+
+    fn wrote_as(
+        &self,
+        key: String,
+        replaced: Option<String>,
+        written: Option<String>,
+        writer: Option<&str>,
+    ) {
         if replaced.is_some() && replaced == written {
             return;
         }
-        self.record(key, replaced, Some(written), Some(writer));
+        self.record(key, replaced, Some(written), writer);
     }
 
     /// A write conditioned on `version` was answered 409: the store's copy at `version` is
@@ -223,9 +230,9 @@ impl Expectations {
 
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
     /// caller and that the store does not reflect yet, with how long it has waited; `seen(key)`
-    /// gives the store's version, `concerns(key, writers)` whether the caller waits for that
-    /// object (writers: on whose behalf it was written, then, asked again, on whose behalf a
-    /// write to it was answered 409). Only pending entries are looked at, so
+    /// gives the store's version. An entry concerns the caller when `writer` made one of its
+    /// writes (or lost one with a 409), or when `concerns(key)` says so (e.g. the store shows the
+    /// host claimed by the caller). Only pending entries are looked at, so
     /// this costs nothing per object in the store; met ones are forgotten whoever they concern.
     /// Overdue entries are reported before waiting ones, so each gets its question to the
     /// apiserver.
@@ -233,7 +240,8 @@ impl Expectations {
         &self,
         prefix: &str,
         seen: impl Fn(&str) -> Option<String>,
-        concerns: impl Fn(&str, &[String]) -> bool,
+        writer: &str,
+        concerns: impl Fn(&str) -> bool,
     ) -> Option<(String, Seen)> {
         let Ok(mut pending) = self.pending.lock() else {
             return None;
@@ -246,8 +254,12 @@ impl Expectations {
             // Every entry under the prefix is checked, so met ones are forgotten whatever the
             // map's order.
             let state = state_of(entry, seen(key).as_deref());
-            if state != Seen::Met && !concerns(key, &entry.writers) && !concerns(key, &entry.losers)
-            {
+            let by_caller = entry
+                .writers
+                .iter()
+                .chain(&entry.losers)
+                .any(|w| w == writer);
+            if state != Seen::Met && !by_caller && !concerns(key) {
                 return true;
             }
             let better = match &unmet {
@@ -505,7 +517,7 @@ mod tests {
             _ => None,
         };
         assert_eq!(
-            e.first_unmet("H/ns/", store, |_, _| true),
+            e.first_unmet("H/ns/", store, "", |_| true),
             Some(("H/ns/b".into(), Seen::Waiting))
         );
         assert!(met(&e, "H/ns/a", Some("1")), "a was met and forgotten");
@@ -600,7 +612,7 @@ mod tests {
             _ => Some("5".to_string()),
         };
         assert_eq!(
-            e.first_unmet("H/ns/", store, |_, _| true),
+            e.first_unmet("H/ns/", store, "", |_| true),
             Some(("H/ns/b".into(), Seen::Overdue))
         );
     }
@@ -629,20 +641,18 @@ mod tests {
             "H/ns/b" => Some("5".to_string()),
             _ => Some("8".to_string()),
         };
-        let by =
-            |who: &'static str| move |_: &str, writers: &[String]| writers.iter().any(|w| w == who);
         assert_eq!(
-            e.first_unmet("H/ns/", store, by("M/ns/m1")),
+            e.first_unmet("H/ns/", store, "M/ns/m1", |_| false),
             Some(("H/ns/a".into(), Seen::Waiting))
         );
         assert_eq!(
-            e.first_unmet("H/ns/", store, by("M/ns/m3")),
+            e.first_unmet("H/ns/", store, "M/ns/m3", |_| false),
             Some(("H/ns/b".into(), Seen::Waiting)),
             "a machine that lost the race for b waits for b too"
         );
-        assert_eq!(e.first_unmet("H/ns/", store, by("M/ns/m4")), None);
+        assert_eq!(e.first_unmet("H/ns/", store, "M/ns/m4", |_| false), None);
         assert_eq!(
-            e.first_unmet("H/ns/", store, |key, _| key == "H/ns/c"),
+            e.first_unmet("H/ns/", store, "M/ns/m4", |key| key == "H/ns/c"),
             Some(("H/ns/c".into(), Seen::Waiting)),
             "a host that names the machine in the store concerns it whoever wrote it"
         );
@@ -652,16 +662,19 @@ mod tests {
             e.conflicted_for("H/ns/a".into(), Some("1".into()), loser);
         }
         assert_eq!(
-            e.first_unmet("H/ns/", store, by("M/ns/m1")),
+            e.first_unmet("H/ns/", store, "M/ns/m1", |_| false),
             Some(("H/ns/a".into(), Seen::Waiting))
         );
         assert_eq!(
-            e.first_unmet("H/ns/", store, by("M/ns/l5")),
+            e.first_unmet("H/ns/", store, "M/ns/l5", |_| false),
             Some(("H/ns/a".into(), Seen::Waiting))
         );
         // Met entries are forgotten even when they concern someone else.
         let caught_up = |_: &str| Some("99".to_string());
-        assert_eq!(e.first_unmet("H/ns/", caught_up, by("M/ns/m4")), None);
+        assert_eq!(
+            e.first_unmet("H/ns/", caught_up, "M/ns/m4", |_| false),
+            None
+        );
         assert!(e.is_empty());
     }
 }

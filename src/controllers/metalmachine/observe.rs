@@ -150,15 +150,17 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         stores
             .hosts
             .get(&ObjectRef::new(host).within(&namespace))
-            .and_then(|h| h.spec.consumer_ref.clone())
-            .is_some_and(|c| c.is_metal_machine(&namespace, &name))
+            .is_some_and(|h| {
+                h.spec
+                    .consumer_ref
+                    .as_ref()
+                    .is_some_and(|c| c.is_metal_machine(&namespace, &name))
+            })
     };
-    let concerns =
-        |key: &str, writers: &[String]| writers.contains(&mm_key) || names_this_machine(key);
     // Each pass ends an entry (met, or confirmed by the apiserver) or returns, so this ends.
-    while let Some((key, _)) = ctx
-        .expectations
-        .first_unmet(&host_prefix, host_version, concerns)
+    while let Some((key, _)) =
+        ctx.expectations
+            .first_unmet(&host_prefix, host_version, &mm_key, names_this_machine)
     {
         let host = key.strip_prefix(&host_prefix).unwrap_or_default();
         let seen = host_version(&key);
