@@ -50,29 +50,39 @@ pub fn control_plane() -> &'static SharedControlPlane {
             .and_then(|e| e.file_name())
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "test".into());
-        let data_dir = controlplane::project_dir()
-            .join("target/test-control-plane")
-            .join(format!("{name}-{}", std::process::id()));
-        let opts = controlplane::Options {
-            bin_dir: controlplane::default_bin_dir(),
-            data_dir: data_dir.clone(),
-            lifetime: Lifetime::TiedToThisProcess,
-            join_ready: JOIN_READY.load(Ordering::SeqCst),
-        };
-        let join_ready = opts.join_ready;
-        // Started on its own runtime: the caller may be inside another test's runtime.
-        let started = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build();
-            rt.map_err(|e| e.to_string()).and_then(|rt| {
-                rt.block_on(ControlPlane::start(&opts))
-                    .map_err(|e| e.to_string())
+        // Ports are picked free and then handed to etcd and kube-apiserver, so another test
+        // binary running beside this one (make test runs two lanes) can take one first: a bind
+        // failure starts again on fresh ports, in a fresh directory.
+        let mut attempt = 1;
+        let (data_dir, join_ready, started) = loop {
+            let data_dir = controlplane::project_dir()
+                .join("target/test-control-plane")
+                .join(format!("{name}-{}-{attempt}", std::process::id()));
+            let opts = controlplane::Options {
+                bin_dir: controlplane::default_bin_dir(),
+                data_dir: data_dir.clone(),
+                lifetime: Lifetime::TiedToThisProcess,
+                join_ready: JOIN_READY.load(Ordering::SeqCst),
+            };
+            let join_ready = opts.join_ready;
+            // Started on its own runtime: the caller may be inside another test's runtime.
+            let started = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                rt.map_err(|e| e.to_string()).and_then(|rt| {
+                    rt.block_on(ControlPlane::start(&opts))
+                        .map_err(|e| e.to_string())
+                })
             })
-        })
-        .join()
-        .map_err(|_| "control-plane start panicked".to_string())
-        .and_then(|r| r);
+            .join()
+            .map_err(|_| "control-plane start panicked".to_string())
+            .and_then(|r| r);
+            match started {
+                Err(e) if e.contains("address already in use") && attempt < 3 => attempt += 1,
+                started => break (data_dir, join_ready, started),
+            }
+        };
         started.map(|cp| {
             controlplane::remove_at_exit(&data_dir);
             let shared = SharedControlPlane {
