@@ -40,8 +40,8 @@ type Verbs = BTreeMap<String, f64>;
 /// Per Machine: when its MetalMachine was first seen ready, and the Machine Provisioned/Running.
 type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
 
-/// `apiserver_request_total` summed by verb, GETs also by resource (where they come from is
-/// what tells which store a controller should read instead).
+/// `apiserver_request_total` summed by verb and resource (a GET's resource tells which store a
+/// controller should read instead; a write's tells which controller to make write less).
 async fn apiserver_requests(client: &kube::Client) -> Verbs {
     let req = match http::Request::get("/metrics").body(Vec::new()) {
         Ok(r) => r,
@@ -56,20 +56,18 @@ async fn apiserver_requests(client: &kube::Client) -> Verbs {
         let Some((labels, value)) = rest.rsplit_once("} ") else {
             continue;
         };
-        let verb = labels
-            .split(',')
-            .find_map(|kv| kv.strip_prefix("verb=\""))
-            .map(|v| v.trim_end_matches('"').to_string())
-            .unwrap_or_default();
-        let verb = if verb == "GET" {
-            let resource = labels
+        let label = |name: &str| {
+            labels
                 .split(',')
-                .find_map(|kv| kv.strip_prefix("resource=\""))
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix("=\""))
                 .map(|v| v.trim_end_matches('"'))
-                .unwrap_or_default();
-            format!("GET {resource}")
-        } else {
-            verb
+                .unwrap_or_default()
+        };
+        let (verb, resource, subresource) =
+            (label("verb"), label("resource"), label("subresource"));
+        let verb = match subresource {
+            "" => format!("{verb} {resource}"),
+            sub => format!("{verb} {resource}/{sub}"),
         };
         *verbs.entry(verb).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
     }
@@ -142,6 +140,12 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let i = ((v.len() as f64 - 1.0) * p).round() as usize;
     v[i.min(v.len() - 1)]
+}
+
+/// How long provisioning or release may take before the run gives up: 30 min, or 0.27 s per host
+/// past that (45 min at N=10,000), so a slow but moving large run still completes its row.
+fn phase_limit(n: u32) -> Duration {
+    Duration::from_secs(1800.max(u64::from(n) * 27 / 100))
 }
 
 async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> Option<String>) -> f64 {
@@ -390,7 +394,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         .await
         .map_err(|e| e.to_string())?;
     let created = started.elapsed().as_secs_f64();
-    let rest = wait_until("provision", Duration::from_secs(1800), || {
+    let rest = wait_until("provision", phase_limit(n), || {
         let running = machines
             .state()
             .iter()
@@ -481,7 +485,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         .try_collect::<Vec<_>>()
         .await
         .map_err(|e| format!("deleting Machines: {e}"))?;
-    row.release = wait_until("release", Duration::from_secs(1800), || {
+    row.release = wait_until("release", phase_limit(n), || {
         let left = machines.state().len();
         let a = available(&hosts);
         let off = fleet.stats().powered_on;

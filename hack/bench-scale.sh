@@ -9,4 +9,4 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 cargo build --release --quiet --bin metalboot
 ulimit -n 65536 2>/dev/null || true
-cargo bench --bench scale 2>&1 | grep -vE '^\s*(Compiling|Finished|Running)'
+cargo bench --bench scale 2>&1 | grep --line-buffered -vE '^\s*(Compiling|Finished|Running)'
