@@ -55,43 +55,62 @@ impl ClaimError {
     }
 }
 
-/// Hosts `mm` may claim, best first: Available, online, unclaimed, not paused, not deleting, in
-/// its namespace, matching its selector and (when the Machine names one) its failure domain;
-/// then an order that differs per machine so racing machines try different hosts first.
-pub fn candidate_hosts(
-    hosts: &[Arc<MetalHost>],
-    mm: &MetalMachine,
-    failure_domain: Option<&str>,
-    failure_domain_label: &str,
-) -> Result<Vec<Arc<MetalHost>>, ClaimError> {
-    let namespace = mm.namespace();
-    let selector: Selector = match mm.spec.host_selector.clone() {
-        None => Selector::default(),
-        Some(s) => Selector::try_from(s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?,
-    };
-    let mut candidates: Vec<Arc<MetalHost>> = hosts
-        .iter()
-        .filter(|h| h.namespace() == namespace && h.metadata.deletion_timestamp.is_none())
-        .filter(|h| {
-            h.spec.consumer_ref.is_none()
-                && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available)
+/// What a host must be for `mm` to claim it, read from the machine once per pass.
+struct Claimable<'a> {
+    mm: &'a MetalMachine,
+    namespace: Option<&'a str>,
+    selector: Selector,
+    failure_domain: Option<&'a str>,
+    failure_domain_label: &'a str,
+}
+
+impl<'a> Claimable<'a> {
+    fn new(
+        mm: &'a MetalMachine,
+        failure_domain: Option<&'a str>,
+        failure_domain_label: &'a str,
+    ) -> Result<Self, ClaimError> {
+        let selector: Selector = match mm.spec.host_selector.clone() {
+            None => Selector::default(),
+            Some(s) => {
+                Selector::try_from(s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?
+            }
+        };
+        Ok(Self {
+            mm,
+            namespace: mm.metadata.namespace.as_deref(),
+            selector,
+            failure_domain,
+            failure_domain_label,
         })
-        .filter(|h| h.spec.online && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION))
-        .filter(|h| selector.matches(h.labels()))
-        .filter(|h| {
-            mm.spec
+    }
+
+    /// Borrows only: this runs for every host on every claiming pass (10,000 × 10,000 at scale).
+    fn admits(&self, h: &MetalHost) -> bool {
+        h.metadata.namespace.as_deref() == self.namespace
+            && h.metadata.deletion_timestamp.is_none()
+            && h.spec.consumer_ref.is_none()
+            && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available)
+            && h.spec.online
+            && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION)
+            && self.selector.matches(h.labels())
+            && self
+                .mm
+                .spec
                 .host_hardware
                 .as_ref()
                 .is_none_or(|need| need.met_by(h.status.as_ref().and_then(|s| s.hardware.as_ref())))
-        })
-        .filter(|h| {
-            failure_domain.is_none_or(|fd| {
-                h.labels().get(failure_domain_label).map(String::as_str) == Some(fd)
+            && self.failure_domain.is_none_or(|fd| {
+                h.labels()
+                    .get(self.failure_domain_label)
+                    .map(String::as_str)
+                    == Some(fd)
             })
-        })
-        .cloned()
-        .collect();
-    if candidates.is_empty() {
+    }
+
+    /// Why no host was admitted.
+    fn none_left(&self) -> ClaimError {
+        let mm = self.mm;
         let mut selector = mm
             .spec
             .host_selector
@@ -103,42 +122,72 @@ pub fn candidate_hosts(
         {
             selector.push_str(&format!(" with hardware {need}"));
         }
-        return Err(match failure_domain {
+        match self.failure_domain {
             Some(domain) => ClaimError::NoHostInFailureDomain {
                 domain: domain.into(),
-                label: failure_domain_label.into(),
+                label: self.failure_domain_label.into(),
                 selector,
             },
             None => ClaimError::NoHostAvailable {
-                namespace: namespace.unwrap_or_default(),
+                namespace: self.namespace.unwrap_or_default().into(),
                 selector,
             },
-        });
+        }
     }
-    let seed = mm.uid().unwrap_or_else(|| mm.name_any());
-    candidates.sort_by_key(|h| {
-        use std::hash::{Hash, Hasher};
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (seed.as_str(), h.name_any()).hash(&mut hasher);
-        hasher.finish()
-    });
+}
+
+/// The order in which `mm` tries hosts: it differs per machine, so racing machines try different
+/// hosts first.
+fn rank(seed: &str, host: &MetalHost) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (seed, host.metadata.name.as_deref().unwrap_or_default()).hash(&mut hasher);
+    hasher.finish()
+}
+
+fn seed(mm: &MetalMachine) -> String {
+    mm.uid().unwrap_or_else(|| mm.name_any())
+}
+
+/// Hosts `mm` may claim, best first: Available, online, unclaimed, not paused, not deleting, in
+/// its namespace, matching its selector and (when the Machine names one) its failure domain;
+/// then an order that differs per machine so racing machines try different hosts first.
+pub fn candidate_hosts(
+    hosts: &[Arc<MetalHost>],
+    mm: &MetalMachine,
+    failure_domain: Option<&str>,
+    failure_domain_label: &str,
+) -> Result<Vec<Arc<MetalHost>>, ClaimError> {
+    let claimable = Claimable::new(mm, failure_domain, failure_domain_label)?;
+    let mut candidates: Vec<Arc<MetalHost>> = hosts
+        .iter()
+        .filter(|h| claimable.admits(h))
+        .cloned()
+        .collect();
+    if candidates.is_empty() {
+        return Err(claimable.none_left());
+    }
+    let seed = seed(mm);
+    candidates.sort_by_cached_key(|h| rank(&seed, h));
     Ok(candidates)
 }
 
-/// The host to try to claim now.
+/// The host to try to claim now: the first of [`candidate_hosts`], found in one pass over the
+/// hosts without collecting or sorting them.
 pub fn best_candidate(
     hosts: &[Arc<MetalHost>],
     mm: &MetalMachine,
     failure_domain: Option<&str>,
     failure_domain_label: &str,
 ) -> Result<Arc<MetalHost>, ClaimError> {
-    candidate_hosts(hosts, mm, failure_domain, failure_domain_label)?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ClaimError::NoHostAvailable {
-            namespace: mm.namespace().unwrap_or_default(),
-            selector: "{}".into(),
-        })
+    let claimable = Claimable::new(mm, failure_domain, failure_domain_label)?;
+    let seed = seed(mm);
+    hosts
+        .iter()
+        .filter(|h| claimable.admits(h))
+        .min_by_key(|h| rank(&seed, h))
+        .cloned()
+        .ok_or_else(|| claimable.none_left())
 }
 
 /// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
@@ -364,6 +413,30 @@ mod tests {
             err.contains("minCPUs"),
             "the refusal names the requirement: {err}"
         );
+    }
+
+    /// The one-pass choice is the sorted list's first, for every machine.
+    #[test]
+    fn the_best_candidate_is_the_first_candidate() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let hosts: Vec<_> = (0..50)
+            .map(|i| host(&format!("h{i}"), HostState::Available, true, &[]))
+            .collect();
+        for i in 0..20 {
+            let mut machine = mm(None);
+            machine.metadata.uid = Some(format!("uid-{i}"));
+            let first = candidate_hosts(&hosts, &machine, None, fd)
+                .ok()
+                .and_then(|c| c.first().map(|h| h.name_any()));
+            let best = best_candidate(&hosts, &machine, None, fd)
+                .ok()
+                .map(|h| h.name_any());
+            assert_eq!(best, first, "machine {i}");
+        }
+        assert!(matches!(
+            best_candidate(&hosts, &mm(None), Some("rack-z"), fd),
+            Err(ClaimError::NoHostInFailureDomain { .. })
+        ));
     }
 
     #[test]

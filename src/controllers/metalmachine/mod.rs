@@ -16,13 +16,14 @@ pub mod claim;
 pub mod decide;
 pub mod observe;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::Api;
+use kube::core::{Selector, SelectorExt};
 use kube::runtime::Controller;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
@@ -171,6 +172,19 @@ fn with_fault(
     status
 }
 
+/// Passes that write no status. After `RemoveFinalizer` the object is going. After `Mint` the
+/// power-on pass follows at once and writes the status it leads to (hostRef and all): the
+/// "minting a token" status would be current for one round trip and cost the apiserver a status
+/// apply per machine for it. A power-on that fails still writes its fault with the full status;
+/// one that meets a conflict or an apiserver error leaves the Claiming status until a pass
+/// gets through.
+fn leaves_status_to_next_pass(step: &decide::Step) -> bool {
+    matches!(
+        step,
+        decide::Step::RemoveFinalizer | decide::Step::Mint { .. }
+    )
+}
+
 async fn reconcile(
     mm: Arc<MetalMachine>,
     ctx: Arc<MachineContext>,
@@ -202,7 +216,7 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
     let key = super::key(mm.as_ref());
     match act::act(ctx, &observed, &step).await {
         Ok(acted) => {
-            if !matches!(step, decide::Step::RemoveFinalizer) {
+            if !leaves_status_to_next_pass(&step) {
                 let status = match acted.generation {
                     Some(generation) => restamped(status, mm.metadata.generation, generation),
                     None => status,
@@ -235,16 +249,17 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
             Ok(Action::requeue(Duration::from_secs(15)))
         }
         Err(ActError::Fault(f)) => {
+            // The decided status names the host even before any status write did (a Mint pass
+            // leaves its status to the power-on pass).
+            let host = status
+                .host_ref
+                .as_ref()
+                .map(|r| r.name.clone())
+                .unwrap_or_default();
             write_status(ctx, &mm, &with_fault(status, &mm, f.reason, &f.message)).await?;
             ctx.events
                 .publish(mm.as_ref(), true, f.reason, f.message.clone())
                 .await;
-            let host = mm
-                .status
-                .as_ref()
-                .and_then(|s| s.host_ref.as_ref())
-                .map(|r| r.name.clone())
-                .unwrap_or_default();
             Err(ReconcileError::Bmc {
                 host,
                 reason: f.reason,
@@ -260,6 +275,61 @@ fn error_policy(mm: Arc<MetalMachine>, error: &ReconcileError, ctx: Arc<MachineC
         .after_failure("MetalMachine", &super::key(mm.as_ref()), error)
 }
 
+/// How many machines still looking for a host one freed host wakes. Only one of them can have
+/// it; the others that match retry on their own (`GATE_RESYNC`) or when the next host frees.
+const WAKES_PER_FREED_HOST: usize = 8;
+
+/// Which hosts the host watch last showed free (Available, unclaimed), so that only a host that
+/// becomes free wakes waiting machines. Waking every waiting machine on every event of a free
+/// host cost 10,000 × 10,000 wake-ups at 10,000 hosts and stalled the manager.
+#[derive(Default)]
+struct FreedHosts(Mutex<HashSet<ObjectRef<MetalHost>>>);
+
+impl FreedHosts {
+    fn newly_free(&self, host: &MetalHost) -> bool {
+        let free = host.spec.consumer_ref.is_none()
+            && host.metadata.deletion_timestamp.is_none()
+            && host.status.as_ref().and_then(|s| s.state)
+                == Some(crate::api::metalhost::HostState::Available);
+        let key = ObjectRef::from_obj(host);
+        match self.0.lock() {
+            Ok(mut known) if free => known.insert(key),
+            Ok(mut known) => {
+                known.remove(&key);
+                false
+            }
+            Err(_) => free,
+        }
+    }
+
+    /// Machines of the host's namespace that have no host yet and whose selector admits it.
+    fn machines_to_wake(
+        &self,
+        machines: &kube::runtime::reflector::Store<MetalMachine>,
+        host: &MetalHost,
+    ) -> Vec<ObjectRef<MetalMachine>> {
+        machines
+            .state()
+            .into_iter()
+            .filter(|m| m.metadata.namespace == host.metadata.namespace)
+            .filter(|m| {
+                m.status
+                    .as_ref()
+                    .and_then(|s| s.host_ref.as_ref())
+                    .is_none()
+            })
+            .filter(|m| {
+                m.spec
+                    .host_selector
+                    .clone()
+                    .is_none_or(|s| Selector::try_from(s).is_ok_and(|s| s.matches(host.labels())))
+            })
+            .take(WAKES_PER_FREED_HOST)
+            .map(|m| ObjectRef::from_obj(m.as_ref()))
+            .collect()
+    }
+}
+
 /// The controller over the shared streams: MetalMachines, and what wakes them — their boot
 /// Secrets (owned), hosts (claims and releases), Machines (bootstrap data), Clusters (pause,
 /// infrastructure readiness) and the boot service's callbacks.
@@ -269,33 +339,17 @@ pub fn controller(
     callbacks: impl futures::Stream<Item = CallbackNotice> + Send + 'static,
 ) -> Controller<MetalMachine> {
     let waiting = stores.metal_machines.clone();
+    let freed = FreedHosts::default();
     let by_cluster = stores.metal_machines.clone();
     Controller::for_shared_stream(subs.metal_machines, stores.metal_machines.clone())
         .owns_shared_stream(subs.boot_secrets)
         .watches_shared_stream(subs.hosts, move |host: Arc<MetalHost>| {
-            let namespace = host.namespace();
             let mut wake: Vec<ObjectRef<MetalMachine>> = Vec::new();
             if let Some(c) = &host.spec.consumer_ref {
                 wake.push(ObjectRef::new(&c.name).within(&c.namespace));
             }
-            // A free host wakes the machines of its namespace that still look for one.
-            let free = host.spec.consumer_ref.is_none()
-                && host.status.as_ref().and_then(|s| s.state)
-                    == Some(crate::api::metalhost::HostState::Available);
-            if free {
-                wake.extend(
-                    waiting
-                        .state()
-                        .into_iter()
-                        .filter(|m| m.namespace() == namespace)
-                        .filter(|m| {
-                            m.status
-                                .as_ref()
-                                .and_then(|s| s.host_ref.as_ref())
-                                .is_none()
-                        })
-                        .map(|m| ObjectRef::from_obj(m.as_ref())),
-                );
+            if freed.newly_free(&host) {
+                wake.extend(freed.machines_to_wake(&waiting, &host));
             }
             wake
         })
@@ -314,7 +368,7 @@ pub fn controller(
             by_cluster
                 .state()
                 .into_iter()
-                .filter(|m| m.namespace() == namespace)
+                .filter(|m| m.metadata.namespace == namespace)
                 .filter(|m| m.labels().get(crate::api::CLUSTER_NAME_LABEL) == Some(&name))
                 .map(|m| ObjectRef::from_obj(m.as_ref()))
                 .collect::<Vec<_>>()

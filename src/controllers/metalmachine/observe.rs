@@ -173,7 +173,7 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         .hosts
         .state()
         .into_iter()
-        .filter(|h| h.namespace().as_deref() == Some(namespace.as_str()))
+        .filter(|h| h.metadata.namespace.as_deref() == Some(namespace.as_str()))
         .collect();
     let secret_name = tokens::boot_secret_name(&name);
     let secret = stores
