@@ -276,9 +276,12 @@ pub async fn start(
                 client: client.clone(),
                 events: Events::new(client.clone(), "metalboot-machine"),
                 backoff: Backoff::default(),
-                workloads: Arc::new(machine::Workloads::with_listener(Arc::new(move |node| {
-                    listener.node_changed(node)
-                }))),
+                workloads: Arc::new(
+                    machine::Workloads::with_listener(Arc::new(move |node| {
+                        listener.node_changed(node)
+                    }))
+                    .rechecking_every(machine::KUBECONFIG_RECHECK),
+                ),
                 watch_filter: watch_filter.clone(),
                 clusters: stores.clusters.clone(),
                 triggers,

@@ -14,13 +14,14 @@ use super::{FIELD_MANAGER, FINALIZER, MachineContext};
 
 /// A merge patch on the Machine, applied only to `version` (the one `decide` saw, or the one the
 /// pass's own status write produced); the next decision waits until the store shows the write.
+/// Returns the Machine's generation after the write.
 pub async fn patch_machine(
     ctx: &MachineContext,
     m: &Machine,
     version: Option<String>,
     patch: serde_json::Value,
     what: &str,
-) -> Result<(), ReconcileError> {
+) -> Result<Option<i64>, ReconcileError> {
     let written =
         Api::<Machine>::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default())
             .patch(
@@ -35,7 +36,7 @@ pub async fn patch_machine(
             })?;
     ctx.expectations
         .wrote(super::machine_key(m), version, written.resource_version());
-    Ok(())
+    Ok(written.metadata.generation)
 }
 
 /// A 409 says the version the write was conditioned on is stale: later passes wait until the
@@ -89,23 +90,23 @@ async fn adopt(
     Ok(())
 }
 
-pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(), ReconcileError> {
+/// Returns the Machine's generation after the step when the step wrote the Machine itself.
+pub async fn act(
+    ctx: &MachineContext,
+    o: &Observation,
+    step: &Step,
+) -> Result<Option<i64>, ReconcileError> {
     let m = o.observed.machine.as_ref();
     match step {
-        Step::Nothing => Ok(()),
-        Step::AddFinalizer => {
+        Step::Nothing => Ok(None),
+        Step::PrepareMetadata {
+            add_finalizer,
+            cluster_owner,
+        } => {
             let mut finalizers = m.finalizers().to_vec();
-            finalizers.push(FINALIZER.into());
-            patch_machine(
-                ctx,
-                m,
-                m.resource_version(),
-                serde_json::json!({"metadata": {"finalizers": finalizers}}),
-                "finalizer",
-            )
-            .await
-        }
-        Step::AssociateWithCluster { cluster_owner } => {
+            if *add_finalizer {
+                finalizers.push(FINALIZER.into());
+            }
             let mut owners = m.owner_references().to_vec();
             owners.extend(cluster_owner.clone());
             patch_machine(
@@ -113,20 +114,23 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
                 m,
                 m.resource_version(),
                 serde_json::json!({"metadata": {
+                    "finalizers": finalizers,
                     "labels": {CLUSTER_NAME_LABEL: m.spec.cluster_name},
                     "ownerReferences": owners,
                 }}),
-                "cluster association",
+                "finalizer and cluster association",
             )
             .await
         }
         Step::AdoptBootstrap => match (&o.bootstrap_object, &m.spec.bootstrap.config_ref) {
-            (Some(obj), Some(r)) => adopt(ctx, m, obj, r).await,
-            _ => Ok(()),
+            (Some(obj), Some(r)) => adopt(ctx, m, obj, r).await.map(|()| None),
+            _ => Ok(None),
         },
         Step::AdoptInfrastructure => match &o.infra_object {
-            Some(obj) => adopt(ctx, m, obj, &m.spec.infrastructure_ref).await,
-            None => Ok(()),
+            Some(obj) => adopt(ctx, m, obj, &m.spec.infrastructure_ref)
+                .await
+                .map(|()| None),
+            None => Ok(None),
         },
         Step::CopyDataSecretName(secret) => {
             patch_machine(
@@ -158,7 +162,7 @@ pub async fn act(ctx: &MachineContext, o: &Observation, step: &Step) -> Result<(
             Api::<Node>::all(workload)
                 .patch(name, &merge_params(FIELD_MANAGER), &Patch::Merge(patch))
                 .await
-                .map(|_| ())
+                .map(|_| None)
                 .map_err(ReconcileError::write(format!("Node {name}")))
         }
     }

@@ -82,9 +82,11 @@ pub struct Observed {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     Nothing,
-    AddFinalizer,
-    /// The cluster-name label, and an owner reference to the Cluster for a Machine nobody owns.
-    AssociateWithCluster {
+    /// Whichever of these the Machine lacks, in one metadata patch (one write, not one per
+    /// item): our finalizer, the cluster-name label, and an owner reference to the Cluster for a
+    /// Machine nobody owns.
+    PrepareMetadata {
+        add_finalizer: bool,
         cluster_owner: Option<OwnerReference>,
     },
     AdoptBootstrap,
@@ -103,7 +105,7 @@ pub struct Decision {
     pub step: Step,
     /// Only for what no watch reports (the Cluster missing): everything else wakes us.
     pub requeue: Option<Duration>,
-    /// Phase change or terminal failure to announce: (warning, reason, message).
+    /// Running reached, or a terminal failure, to announce: (warning, reason, message).
     pub event: Option<(bool, String, String)>,
 }
 
@@ -138,17 +140,19 @@ fn set(status: &mut MachineStatus, want: Want<'_>, o: &Observed) {
     );
 }
 
+/// The pass's one write: the first rule to propose one wins.
+fn propose(step: &mut Step, s: Step) {
+    if *step == Step::Nothing {
+        *step = s;
+    }
+}
+
 /// Decides for a Machine that is not being deleted and passes the watch filter.
 pub fn decide(o: &Observed) -> Decision {
     let m = o.machine.as_ref();
     let previous_phase = m.status.as_ref().and_then(|s| s.phase.clone());
     let mut status = m.status.clone().unwrap_or_default();
     let mut step = Step::Nothing;
-    let mut propose = |s: Step| {
-        if step == Step::Nothing {
-            step = s;
-        }
-    };
 
     // 1. The Cluster: nothing happens without it.
     let Some(cluster) = o.cluster.as_deref() else {
@@ -185,11 +189,9 @@ pub fn decide(o: &Observed) -> Decision {
         };
     }
     status.conditions.retain(|c| c.type_ != "Paused");
-    // 3. Our finalizer before anything we would have to undo.
-    if !m.finalizers().iter().any(|f| f == FINALIZER) {
-        propose(Step::AddFinalizer);
-    }
-    // 4. Cluster association: the label; an owner reference when nothing else controls it.
+    // 3. Our finalizer before anything we would have to undo, and the Cluster association (the
+    // label; an owner reference when nothing else controls it), written together.
+    let add_finalizer = !m.finalizers().iter().any(|f| f == FINALIZER);
     let labelled = m.labels().get(CLUSTER_NAME_LABEL) == Some(&m.spec.cluster_name);
     let has_controller = m
         .owner_references()
@@ -200,17 +202,21 @@ pub fn decide(o: &Observed) -> Decision {
         .iter()
         .any(|r| r.kind == "Cluster" && r.name == m.spec.cluster_name);
     let needs_owner = !has_controller && !owned_by_cluster;
-    if !labelled || needs_owner {
-        propose(Step::AssociateWithCluster {
-            cluster_owner: needs_owner.then(|| OwnerReference {
-                api_version: "cluster.x-k8s.io/v1beta2".into(),
-                kind: "Cluster".into(),
-                name: cluster.name_any(),
-                uid: cluster.uid().unwrap_or_default(),
-                controller: None,
-                block_owner_deletion: None,
-            }),
-        });
+    if add_finalizer || !labelled || needs_owner {
+        propose(
+            &mut step,
+            Step::PrepareMetadata {
+                add_finalizer,
+                cluster_owner: needs_owner.then(|| OwnerReference {
+                    api_version: "cluster.x-k8s.io/v1beta2".into(),
+                    kind: "Cluster".into(),
+                    name: cluster.name_any(),
+                    uid: cluster.uid().unwrap_or_default(),
+                    controller: None,
+                    block_owner_deletion: None,
+                }),
+            },
+        );
     }
 
     let mut failure: Option<(String, String)> = status
@@ -233,7 +239,7 @@ pub fn decide(o: &Observed) -> Decision {
         ),
         Referenced::Found(config) => {
             if !config.adopted {
-                propose(Step::AdoptBootstrap);
+                propose(&mut step, Step::AdoptBootstrap);
             }
             if let Some(f) = &config.failure {
                 failure.get_or_insert(f.clone());
@@ -242,7 +248,7 @@ pub fn decide(o: &Observed) -> Decision {
                 && config.ready
                 && let Some(secret) = &config.data_secret_name
             {
-                propose(Step::CopyDataSecretName(secret.clone()));
+                propose(&mut step, Step::CopyDataSecretName(secret.clone()));
             }
         }
     }
@@ -280,7 +286,7 @@ pub fn decide(o: &Observed) -> Decision {
         ),
         Referenced::Found(infra) => {
             if !infra.adopted {
-                propose(Step::AdoptInfrastructure);
+                propose(&mut step, Step::AdoptInfrastructure);
             }
             if let Some(f) = &infra.failure {
                 failure.get_or_insert(f.clone());
@@ -290,7 +296,7 @@ pub fn decide(o: &Observed) -> Decision {
                 if m.spec.provider_id.is_none()
                     && let Some(id) = &infra.provider_id
                 {
-                    propose(Step::CopyProviderId(id.clone()));
+                    propose(&mut step, Step::CopyProviderId(id.clone()));
                 }
                 status.addresses = infra.addresses.clone();
                 set(
@@ -329,9 +335,17 @@ pub fn decide(o: &Observed) -> Decision {
         status.failure_message = Some(message.clone());
     }
 
-    // 7. The Node with the Machine's providerID, in the workload cluster.
+    // 7. The Node with the Machine's providerID, in the workload cluster: once the providerID
+    // is the Machine's, or this pass's write makes it so (observe already looks the Node up by
+    // the infrastructure's providerID, so the pass that copies it records the Node as well).
+    let provider_id_set = m.spec.provider_id.is_some() || matches!(step, Step::CopyProviderId(_));
+    let node = if provider_id_set {
+        &o.node
+    } else {
+        &NodeView::NotLooked
+    };
     let mut node_ready = None;
-    match &o.node {
+    match node {
         NodeView::NotLooked => {}
         NodeView::Unavailable { reason, message } => set(
             &mut status,
@@ -370,10 +384,13 @@ pub fn decide(o: &Observed) -> Decision {
             };
             set(&mut status, want, o);
             if let Some(patch) = sync {
-                propose(Step::SyncNode {
-                    name: name.clone(),
-                    patch: patch.clone(),
-                });
+                propose(
+                    &mut step,
+                    Step::SyncNode {
+                        name: name.clone(),
+                        patch: patch.clone(),
+                    },
+                );
             }
         }
     }
@@ -386,7 +403,7 @@ pub fn decide(o: &Observed) -> Decision {
         infra_ready,
         // This pass's write copies it: the status that follows that write already counts it,
         // so Provisioned costs no second pass.
-        m.spec.provider_id.is_some() || matches!(step, Step::CopyProviderId(_)),
+        provider_id_set,
         node_ready,
     );
     status.phase = Some(next.into());
@@ -400,7 +417,13 @@ pub fn decide(o: &Observed) -> Decision {
         },
         o,
     );
-    if previous_phase.as_deref() != Some(next) && event.is_none() {
+    // Announced: reaching Running (the Node matched, upstream's SuccessfulSetNodeRef) and
+    // Failed. The steps between are in status; an Event each would cost the apiserver an etcd
+    // write per Machine per phase for nothing an operator could not read there.
+    if previous_phase.as_deref() != Some(next)
+        && matches!(next, "Running" | "Failed")
+        && event.is_none()
+    {
         event = Some((
             next == "Failed",
             format!("Phase{next}"),
@@ -576,6 +599,35 @@ mod tests {
                 Step::CopyProviderId("metalboot://ns/h/u".into()),
             ),
             (
+                "infrastructure ready and its Node already Ready: the pass that copies the \
+                 providerID records the Node too, Running with one status write",
+                with(|o, m| {
+                    bootstrapped(o, m);
+                    if let Referenced::Found(v) = &mut o.infra {
+                        v.ready = true;
+                        v.provider_id = Some("metalboot://ns/h/u".into());
+                    }
+                    o.node = node(true);
+                }),
+                "Running",
+                Step::CopyProviderId("metalboot://ns/h/u".into()),
+            ),
+            (
+                "Node already Ready but an earlier write wins the pass (adopting the \
+                 infrastructure): no Node, not Running, before the providerID is the Machine's",
+                with(|o, m| {
+                    bootstrapped(o, m);
+                    if let Referenced::Found(v) = &mut o.infra {
+                        v.ready = true;
+                        v.adopted = false;
+                        v.provider_id = Some("metalboot://ns/h/u".into());
+                    }
+                    o.node = node(true);
+                }),
+                "Provisioning",
+                Step::AdoptInfrastructure,
+            ),
+            (
                 "infrastructure ready, providerID synced: Provisioned",
                 with(provisioned),
                 "Provisioned",
@@ -672,11 +724,30 @@ mod tests {
                 ..view("CloudInitConfig")
             });
         }));
-        assert_eq!(d.step, Step::AddFinalizer, "finalizer first");
+        assert!(
+            matches!(
+                &d.step,
+                Step::PrepareMetadata {
+                    add_finalizer: true,
+                    cluster_owner: None
+                }
+            ),
+            "finalizer first, with the label in the same write: {:?}",
+            d.step
+        );
         let d = decide(&with(|_, m| m.metadata.owner_references = None));
         assert!(
-            matches!(&d.step, Step::AssociateWithCluster { cluster_owner: Some(o) } if o.name == "c1"),
+            matches!(&d.step, Step::PrepareMetadata { add_finalizer: false, cluster_owner: Some(o) } if o.name == "c1"),
             "a Machine nobody owns is owned by its Cluster: {:?}",
+            d.step
+        );
+        let d = decide(&with(|_, m| {
+            m.metadata.finalizers = None;
+            m.metadata.owner_references = None;
+        }));
+        assert!(
+            matches!(&d.step, Step::PrepareMetadata { add_finalizer: true, cluster_owner: Some(o) } if o.name == "c1"),
+            "finalizer and Cluster owner: one write, not two: {:?}",
             d.step
         );
         let d = decide(&with(|o, _| {

@@ -85,7 +85,7 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
             )
             .await
             {
-                Ok(()) => {}
+                Ok(_) => {}
                 // Already gone: an earlier pass removed the finalizer.
                 Err(ReconcileError::Write {
                     source: kube::Error::Api(ref s),

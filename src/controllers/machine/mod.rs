@@ -43,6 +43,8 @@ pub use workloads::Workloads;
 pub const CONTROLLER: &str = "machine";
 pub const FINALIZER: &str = "machine.cluster.x-k8s.io";
 pub const FIELD_MANAGER: &str = "metalboot-machine";
+/// How long the manager's Machines use a workload kubeconfig read before reading it again.
+pub const KUBECONFIG_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 const UNINITIALIZED_TAINT: &str = "node.cluster.x-k8s.io/uninitialized";
 const PRE_DRAIN_HOOK: &str = "pre-drain.delete.hook.machine.cluster.x-k8s.io";
 const PRE_TERMINATE_HOOK: &str = "pre-terminate.delete.hook.machine.cluster.x-k8s.io";
@@ -188,8 +190,10 @@ impl Triggers {
 
     /// Drops what was kept for a Machine that is gone.
     pub fn forget_machine(&self, m: &Machine) {
-        if let (Some(id), Ok(mut ids)) = (&m.spec.provider_id, self.by_provider_id.lock()) {
-            ids.remove(id);
+        if let Ok(mut ids) = self.by_provider_id.lock() {
+            // Also an infrastructure providerID looked for before it was copied to the Machine.
+            let machine = ObjectRef::from_obj(m);
+            ids.retain(|id, r| Some(id) != m.spec.provider_id.as_ref() && *r != machine);
         }
     }
 
@@ -263,13 +267,32 @@ fn machine_key(m: &Machine) -> String {
 async fn write_status(
     ctx: &MachineContext,
     m: &Machine,
+    status: MachineStatus,
+) -> Result<Option<String>, ReconcileError> {
+    write_status_at(ctx, m, status, m.metadata.generation).await
+}
+
+/// [`write_status`] for the generation the pass's own spec write produced: the status decided
+/// for that write is current for it, and stamped with it, so the next pass has nothing to write
+/// just to move observedGeneration.
+async fn write_status_at(
+    ctx: &MachineContext,
+    m: &Machine,
     mut status: MachineStatus,
+    generation: Option<i64>,
 ) -> Result<Option<String>, ReconcileError> {
     let previous = m.status.clone().unwrap_or_default();
     if status.phase != previous.phase {
         status.last_updated = Some(super::conditions::now());
     }
-    status.observed_generation = m.metadata.generation;
+    if generation != m.metadata.generation {
+        for c in &mut status.conditions {
+            if c.observed_generation == m.metadata.generation {
+                c.observed_generation = generation;
+            }
+        }
+    }
+    status.observed_generation = generation;
     // Upstream fields we keep but do not own are not re-applied.
     status.extra.clear();
     if status
@@ -316,8 +339,10 @@ async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Reconcile
     let observation = observe::observe(ctx, m.clone()).await?;
     let decision = decide::decide(&observation.observed);
     tracing::debug!(step = ?decision.step, phase = ?decision.status.phase, "decided");
-    act::act(ctx, &observation, &decision.step).await?;
-    write_status(ctx, &m, decision.status.clone()).await?;
+    let generation = act::act(ctx, &observation, &decision.step)
+        .await?
+        .or(m.metadata.generation);
+    write_status_at(ctx, &m, decision.status.clone(), generation).await?;
     if let Some((warning, reason, message)) = decision.event {
         ctx.events
             .publish(m.as_ref(), warning, &reason, message)

@@ -193,7 +193,14 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
     let (infra, infra_object) =
         referenced(ctx, &m, Some(&m.spec.infrastructure_ref), "provisioned").await?;
     let infra_ready = matches!(&infra, Referenced::Found(v) if v.ready && v.provider_id.is_some());
-    let node = match m.spec.provider_id.clone().filter(|_| infra_ready) {
+    // The infrastructure's providerID, before this pass has copied it to the Machine: the pass
+    // that copies it then also records the Node (one status write for Provisioned and Running,
+    // not two).
+    let provider_id = m.spec.provider_id.clone().or_else(|| match &infra {
+        Referenced::Found(v) => v.provider_id.clone(),
+        _ => None,
+    });
+    let node = match provider_id.filter(|_| infra_ready) {
         None => NodeView::NotLooked,
         Some(provider_id) => {
             ctx.triggers

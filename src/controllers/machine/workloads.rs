@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Secret};
@@ -20,6 +20,8 @@ pub type Unavailable = (&'static str, String);
 struct Workload {
     /// The kubeconfig Secret's resourceVersion this entry was built from.
     version: String,
+    /// When that version was last read from the apiserver.
+    checked: Instant,
     client: kube::Client,
     nodes: Store<Node>,
     watch: JoinHandle<()>,
@@ -38,6 +40,8 @@ pub type NodeListener = Arc<dyn Fn(&Node) + Send + Sync>;
 pub struct Workloads {
     clusters: Mutex<HashMap<String, Workload>>,
     listener: Option<NodeListener>,
+    /// How long a kubeconfig read stands before the next use reads it again (zero: every use).
+    recheck: Duration,
     /// Node watch tasks alive now: counted by the tasks themselves, so an aborted one is seen gone.
     live: Arc<AtomicUsize>,
 }
@@ -63,8 +67,17 @@ impl Workloads {
         Self {
             clusters: Mutex::default(),
             listener: Some(listener),
+            recheck: Duration::ZERO,
             live: Arc::default(),
         }
+    }
+
+    /// Reads the kubeconfig Secret at most once per `every` per cluster, not once per Machine
+    /// pass: at 1,000 Machines of one cluster those reads were ~4,000 GETs while provisioning.
+    /// A rotated kubeconfig is then picked up within `every`.
+    pub fn rechecking_every(mut self, every: Duration) -> Self {
+        self.recheck = every;
+        self
     }
 
     /// Node watches running now (one per workload cluster in use; tests check none leaks).
@@ -86,6 +99,13 @@ impl Workloads {
         namespace: &str,
         cluster: &str,
     ) -> Result<(kube::Client, Store<Node>), Unavailable> {
+        let cache_key = format!("{namespace}/{cluster}");
+        if let Ok(map) = self.clusters.lock()
+            && let Some(w) = map.get(&cache_key)
+            && w.checked.elapsed() < self.recheck
+        {
+            return Ok((w.client.clone(), w.nodes.clone()));
+        }
         let secret_name = format!("{cluster}-kubeconfig");
         let secret = Api::<Secret>::namespaced(client.clone(), namespace)
             .get_opt(&secret_name)
@@ -101,11 +121,11 @@ impl Workloads {
                 format!("Secret {namespace}/{secret_name} not found"),
             ))?;
         let version = secret.resource_version().unwrap_or_default();
-        let cache_key = format!("{namespace}/{cluster}");
-        if let Ok(map) = self.clusters.lock()
-            && let Some(w) = map.get(&cache_key)
+        if let Ok(mut map) = self.clusters.lock()
+            && let Some(w) = map.get_mut(&cache_key)
             && w.version == version
         {
+            w.checked = Instant::now();
             return Ok((w.client.clone(), w.nodes.clone()));
         }
         let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
@@ -148,6 +168,7 @@ impl Workloads {
         });
         let entry = Workload {
             version,
+            checked: Instant::now(),
             client: workload.clone(),
             nodes: nodes.clone(),
             watch,
