@@ -378,11 +378,10 @@ impl BootState {
     }
 
     fn host_by_mac(&self, mac: &str) -> Option<Arc<MetalHost>> {
+        // Every host is compared on every boot request: without copying the store or allocating.
         self.stores
             .hosts
-            .state()
-            .into_iter()
-            .find(|h| ipxe::normalize_mac(&h.spec.boot_mac_address).as_deref() == Some(mac))
+            .find(|h| ipxe::mac_matches(&h.spec.boot_mac_address, mac))
     }
 
     /// The host behind a boot MAC and its current attempt, when it has one that has not called

@@ -12,7 +12,7 @@
 //! cores with a compiler) used to end the wait blind after 30 s, and the next decision, made from
 //! a boot Secret without its callback, power-cycled 77 hosts that had already called back.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -75,7 +75,9 @@ struct Pending {
 
 /// Expectations of one controller, keyed by `Kind/namespace/name`.
 pub struct Expectations {
-    pending: Mutex<HashMap<String, Pending>>,
+    /// Ordered by key, so a pass looks only at the keys under its prefix (one kind in one
+    /// namespace), not at every write the controller has pending.
+    pending: Mutex<BTreeMap<String, Pending>>,
     ttl: Duration,
     /// The size at which the next write sweeps out old entries first.
     sweep_at: AtomicUsize,
@@ -247,30 +249,39 @@ impl Expectations {
             return None;
         };
         let mut unmet: Option<(String, Seen)> = None;
-        pending.retain(|key, entry| {
-            if !key.starts_with(prefix) {
-                return true;
-            }
-            // Every entry under the prefix is checked, so met ones are forgotten whatever the
-            // map's order.
+        let mut met: Vec<String> = Vec::new();
+        // Every entry under the prefix is checked, so met ones are forgotten.
+        for (key, entry) in pending
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(|(key, _)| key.starts_with(prefix))
+        {
             let state = state_of(entry, seen(key).as_deref());
+            if state == Seen::Met {
+                met.push(key.clone());
+                continue;
+            }
             let by_caller = entry
                 .writers
                 .iter()
                 .chain(&entry.losers)
                 .any(|w| w == writer);
-            if state != Seen::Met && !by_caller && !concerns(key) {
-                return true;
+            if !by_caller && !concerns(key) {
+                continue;
             }
             let better = match &unmet {
-                None => state != Seen::Met,
+                None => true,
                 Some((_, found)) => *found == Seen::Waiting && state == Seen::Overdue,
             };
             if better {
                 unmet = Some((key.clone(), state));
             }
-            state != Seen::Met
-        });
+        }
+        for key in met {
+            pending.remove(&key);
+        }
         unmet
     }
 
@@ -357,7 +368,7 @@ impl Expectations {
 }
 
 /// Drops entries nobody asked about for FORGET_AFTER (their object went away).
-fn forget_old(pending: &mut HashMap<String, Pending>) {
+fn forget_old(pending: &mut BTreeMap<String, Pending>) {
     let now = Instant::now();
     pending.retain(|_, entry| {
         entry

@@ -215,13 +215,9 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
                     reason: reason.into(),
                     message,
                 },
-                Ok((_, nodes)) => nodes
-                    .state()
-                    .into_iter()
-                    .find(|n| {
-                        n.spec.as_ref().and_then(|s| s.provider_id.as_deref())
-                            == Some(provider_id.as_str())
-                    })
+                Ok((_, nodes)) => ctx
+                    .triggers
+                    .node_with(&nodes, &provider_id)
                     .map(|n| node_view(&n, &m))
                     .unwrap_or(NodeView::Missing { provider_id }),
             }
