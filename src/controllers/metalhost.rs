@@ -677,7 +677,7 @@ fn hosts_using(
     namespace: &str,
     secret: &str,
 ) -> Vec<ObjectRef<MetalHost>> {
-    // Every Secret change in the namespace (boot Secrets too) asks this: borrow, do not clone.
+    // Every Secret change in the namespace (boot Secrets too) asks this: no String per host.
     hosts
         .state()
         .iter()
@@ -736,7 +736,12 @@ pub fn controller(
             // A machine still claiming changes nothing a host derives its state from (the
             // claim is the host's own write, which wakes it): at 10,000 machines, scanning the
             // hosts for each of their early changes was 10,000 × 10,000 comparisons.
-            if mm.metadata.deletion_timestamp.is_none() && mm.spec.provider_id.is_none() {
+            // One that has no status yet may be new to the store, which changes its host's
+            // consumer from missing to found: that costs one scan per machine.
+            if mm.metadata.deletion_timestamp.is_none()
+                && mm.spec.provider_id.is_none()
+                && mm.status.is_some()
+            {
                 return Vec::new();
             }
             let name = mm.name_any();

@@ -141,6 +141,9 @@ pub async fn act(
                 "dataSecretName",
             )
             .await
+            // The status decided with this step still says the data is missing: it stays
+            // stamped with the generation it was decided from.
+            .map(|_| None)
         }
         Step::CopyProviderId(id) => {
             patch_machine(

@@ -431,7 +431,7 @@ pub fn decide(o: &Observed) -> Decision {
         ));
     }
     // Kubeconfig Secrets are not watched (a Secret watch is costly): look again, paced.
-    let requeue = matches!(o.node, NodeView::Unavailable { .. }).then_some(KUBECONFIG_RETRY);
+    let requeue = matches!(node, NodeView::Unavailable { .. }).then_some(KUBECONFIG_RETRY);
     Decision {
         status,
         step,

@@ -212,7 +212,13 @@ impl Triggers {
             // looked for already. Rare, so the scan is affordable here.
             None => {
                 let machine = ObjectRef::from_obj(m);
-                ids.retain(|_, r| *r != machine);
+                ids.retain(|id, r| {
+                    let mine = *r == machine;
+                    if mine {
+                        names.remove(id);
+                    }
+                    !mine
+                });
             }
         }
     }

@@ -276,7 +276,9 @@ fn error_policy(mm: Arc<MetalMachine>, error: &ReconcileError, ctx: Arc<MachineC
 }
 
 /// How many machines still looking for a host one freed host wakes. Only one of them can have
-/// it; the others that match retry on their own (`GATE_RESYNC`) or when the next host frees.
+/// it; the others retry on their own (`GATE_RESYNC`, 60 s) or when the next host frees. So do
+/// machines a change of a free host does not reach (the host was already free, or the claim and
+/// release both happened between two reads of it).
 const WAKES_PER_FREED_HOST: usize = 8;
 
 /// Which hosts the host watch last showed free (Available, unclaimed), so that only a host that
@@ -287,8 +289,13 @@ struct FreedHosts(Mutex<HashSet<ObjectRef<MetalHost>>>);
 
 impl FreedHosts {
     fn newly_free(&self, host: &MetalHost) -> bool {
+        // Free means claimable: a host brought online or unpaused becomes free then.
         let free = host.spec.consumer_ref.is_none()
             && host.metadata.deletion_timestamp.is_none()
+            && host.spec.online
+            && !host
+                .annotations()
+                .contains_key(crate::api::HOST_PAUSED_ANNOTATION)
             && host.status.as_ref().and_then(|s| s.state)
                 == Some(crate::api::metalhost::HostState::Available);
         let key = ObjectRef::from_obj(host);
@@ -302,7 +309,9 @@ impl FreedHosts {
         }
     }
 
-    /// Machines of the host's namespace that have no host yet and whose selector admits it.
+    /// Machines of the host's namespace whose status says they found no host, and whose
+    /// selector admits this one (machines held at an earlier gate, or between their claim and
+    /// power-on, would only take the slots).
     fn machines_to_wake(
         &self,
         machines: &kube::runtime::reflector::Store<MetalMachine>,
@@ -311,12 +320,20 @@ impl FreedHosts {
         machines
             .state()
             .into_iter()
-            .filter(|m| m.metadata.namespace == host.metadata.namespace)
             .filter(|m| {
-                m.status
-                    .as_ref()
-                    .and_then(|s| s.host_ref.as_ref())
-                    .is_none()
+                m.metadata.namespace == host.metadata.namespace
+                    && m.metadata.deletion_timestamp.is_none()
+            })
+            .filter(|m| {
+                m.status.as_ref().is_some_and(|s| {
+                    s.host_ref.is_none()
+                        && conditions::get(&s.conditions, HOST_ASSOCIATED).is_some_and(|c| {
+                            matches!(
+                                c.reason.as_str(),
+                                "NoHostAvailable" | "NoHostInFailureDomain"
+                            )
+                        })
+                })
             })
             .filter(|m| {
                 m.spec
@@ -418,5 +435,60 @@ mod tests {
             .map(|c| (c.type_.as_str(), c.observed_generation))
             .collect();
         assert_eq!(generations, [("Ready", Some(2)), ("Older", Some(0))]);
+    }
+
+    /// A host wakes waiting machines when it becomes claimable, not on every change while it
+    /// stays so, and only machines whose status says they found no host.
+    #[test]
+    fn a_freed_host_wakes_only_machines_that_found_none() {
+        use crate::api::metalhost::{ConsumerReference, HostState, MetalHostStatus};
+        let mut host = MetalHost::new("h", crate::api::metalhost::MetalHostSpec::for_tests());
+        host.metadata.namespace = Some("ns".into());
+        host.spec.online = true;
+        host.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m0", "ns"));
+        host.status = Some(MetalHostStatus {
+            state: Some(HostState::Available),
+            ..Default::default()
+        });
+        let freed = FreedHosts::default();
+        assert!(!freed.newly_free(&host), "claimed: not free");
+        host.spec.consumer_ref = None;
+        assert!(freed.newly_free(&host), "released: newly free");
+        assert!(!freed.newly_free(&host), "still free: nothing new");
+        host.spec.online = false;
+        assert!(!freed.newly_free(&host), "offline: not claimable");
+        host.spec.online = true;
+        assert!(freed.newly_free(&host), "back online: newly free");
+
+        let machine = |name: &str, reason: Option<&str>| {
+            let mut m = MetalMachine::new(name, Default::default());
+            m.metadata.namespace = Some("ns".into());
+            m.status = reason.map(|reason| MetalMachineStatus {
+                conditions: vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+                    type_: HOST_ASSOCIATED.into(),
+                    status: "False".into(),
+                    reason: reason.into(),
+                    message: String::new(),
+                    observed_generation: None,
+                    last_transition_time: conditions::now(),
+                }],
+                ..Default::default()
+            });
+            m
+        };
+        let (store, mut writer) = kube::runtime::reflector::store::<MetalMachine>();
+        for m in [
+            machine("waiting", Some("NoHostAvailable")),
+            machine("claiming", Some("Claiming")),
+            machine("new", None),
+        ] {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(m));
+        }
+        let woken: Vec<String> = freed
+            .machines_to_wake(&store, &host)
+            .into_iter()
+            .map(|r| r.name)
+            .collect();
+        assert_eq!(woken, ["waiting"]);
     }
 }
