@@ -55,6 +55,16 @@ impl ClaimError {
     }
 }
 
+/// A host any machine could claim, whatever it asks for: Available, online, unclaimed, not
+/// paused, not deleting.
+pub fn is_free(h: &MetalHost) -> bool {
+    h.metadata.deletion_timestamp.is_none()
+        && h.spec.consumer_ref.is_none()
+        && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available)
+        && h.spec.online
+        && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION)
+}
+
 /// What a host must be for `mm` to claim it, read from the machine once per pass.
 struct Claimable<'a> {
     mm: &'a MetalMachine,
@@ -88,11 +98,7 @@ impl<'a> Claimable<'a> {
     /// Borrows only: this runs for every host on every claiming pass (10,000 × 10,000 at scale).
     fn admits(&self, h: &MetalHost) -> bool {
         h.metadata.namespace.as_deref() == self.namespace
-            && h.metadata.deletion_timestamp.is_none()
-            && h.spec.consumer_ref.is_none()
-            && h.status.as_ref().and_then(|s| s.state) == Some(HostState::Available)
-            && h.spec.online
-            && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION)
+            && is_free(h)
             && self.selector.matches(h.labels())
             && self
                 .mm

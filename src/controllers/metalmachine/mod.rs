@@ -290,14 +290,7 @@ struct FreedHosts(Mutex<HashSet<ObjectRef<MetalHost>>>);
 impl FreedHosts {
     fn newly_free(&self, host: &MetalHost) -> bool {
         // Free means claimable: a host brought online or unpaused becomes free then.
-        let free = host.spec.consumer_ref.is_none()
-            && host.metadata.deletion_timestamp.is_none()
-            && host.spec.online
-            && !host
-                .annotations()
-                .contains_key(crate::api::HOST_PAUSED_ANNOTATION)
-            && host.status.as_ref().and_then(|s| s.state)
-                == Some(crate::api::metalhost::HostState::Available);
+        let free = claim::is_free(host);
         let key = ObjectRef::from_obj(host);
         match self.0.lock() {
             Ok(mut known) if free => known.insert(key),
