@@ -480,6 +480,7 @@ async fn start_infrastructure(
         poll_interval: opts.power_poll_interval,
         graceful_off: opts.graceful_off,
         power_requests: Default::default(),
+        power_readings: Default::default(),
         watch_filter: watch_filter.clone(),
         secret_meta,
         expectations: Default::default(),

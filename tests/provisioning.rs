@@ -35,7 +35,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     let bmc = lab.bmc(0);
 
     // The controller powers the host on with a one-time network boot.
-    support::eventually("the BMC powered on", 60, || async {
+    support::eventually("the BMC powered on", 120, || async {
         (power_of(&bmc).await == Some(PowerState::On)).then_some(())
     })
     .await;
@@ -45,7 +45,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         Some(BootDevice::Pxe),
         "one-time PXE boot set: {boot:?}"
     );
-    support::eventually("host-0 shown Provisioning", 30, || async {
+    support::eventually("host-0 shown Provisioning", 90, || async {
         (lab.metal_host("host-0").await.status.and_then(|s| s.state)
             == Some(HostState::Provisioning))
         .then_some(())
@@ -98,7 +98,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         .expect("callback");
     assert_eq!(answer.status(), 200);
 
-    let mm = support::eventually("MetalMachine ready", 30, || async {
+    let mm = support::eventually("MetalMachine ready", 90, || async {
         lab.metal_machine("m1")
             .await
             .filter(|m| m.status.as_ref().is_some_and(|s| s.ready))
@@ -133,7 +133,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     );
     assert_eq!(power_of(&bmc).await, Some(PowerState::On));
     // Live mode: the provisioning token dies in the write that arms the next boot's.
-    support::eventually("token killed, next boot armed", 20, || async {
+    support::eventually("token killed, next boot armed", 60, || async {
         armed_for_reboot(&lab).await.filter(|n| *n == 1)
     })
     .await;
@@ -149,7 +149,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         .delete("m1", &DeleteParams::default())
         .await
         .expect("delete");
-    support::eventually("MetalMachine gone", 60, || async {
+    support::eventually("MetalMachine gone", 120, || async {
         lab.metal_machine("m1").await.is_none().then_some(())
     })
     .await;
@@ -166,7 +166,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         "reset requests at the BMC: {:?}",
         lab.posts()
     );
-    let host = support::eventually("host-0 Available again", 30, || async {
+    let host = support::eventually("host-0 Available again", 90, || async {
         let host = lab.metal_host("host-0").await;
         (host.status.as_ref()?.state == Some(HostState::Available)).then_some(host)
     })

@@ -246,7 +246,8 @@ pub struct MetalHostStatus {
     /// Power state last read from the BMC.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_state: Option<PowerState>,
-    /// When the power state was last read.
+    /// When a power reading last changed this status (readings that change nothing are not
+    /// written: their cost would grow with the fleet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_power_check: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// Hardware inventory read from the BMC once at registration.

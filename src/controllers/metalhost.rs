@@ -9,6 +9,7 @@
 //! Where to look: [`plan`] (what to do with the BMC this pass) and [`desired_state`] (which
 //! state the host is in) are pure and table-tested below.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,7 +66,14 @@ pub enum HostPlan {
     Wait(Duration),
 }
 
-pub fn plan(host: &MetalHost, now: jiff::Timestamp, poll_interval: Duration) -> HostPlan {
+/// `last_read` is this manager's last power reading of the host: readings that changed nothing
+/// are not written to status (see [`poll_status`]), so status alone may look older.
+pub fn plan(
+    host: &MetalHost,
+    now: jiff::Timestamp,
+    poll_interval: Duration,
+    last_read: Option<jiff::Timestamp>,
+) -> HostPlan {
     if host.annotations().contains_key(HOST_PAUSED_ANNOTATION) {
         return HostPlan::Paused;
     }
@@ -79,7 +87,9 @@ pub fn plan(host: &MetalHost, now: jiff::Timestamp, poll_interval: Duration) -> 
     }
     let since_check = status
         .last_power_check
-        .map(|t| now.duration_since(t.0).as_secs())
+        .map(|t| t.0)
+        .max(last_read)
+        .map(|t| now.duration_since(t).as_secs())
         .unwrap_or(i64::MAX);
     let interval = poll_interval.as_secs() as i64;
     if since_check >= interval {
@@ -336,16 +346,19 @@ pub fn registration_status(
 }
 
 /// Status after a power read (registered host): `status` with the reading applied.
+/// `lastPowerCheck` moves only with a reading that changed the status: a host re-read every
+/// poll interval with nothing new costs no write (10,000 hosts would otherwise write 33 statuses
+/// a second just to move a timestamp). This manager keeps the time of every reading in memory.
 pub fn poll_status(
     mut status: MetalHostStatus,
     generation: Option<i64>,
     result: Result<PowerState, Fault>,
     now: &Time,
 ) -> MetalHostStatus {
+    let before = status.clone();
     match result {
         Ok(power) => {
             status.power_state = Some(power);
-            status.last_power_check = Some(now.clone());
             conditions::set(
                 &mut status.conditions,
                 Want::t(BMC_REACHABLE, "BmcReachable", ""),
@@ -355,7 +368,6 @@ pub fn poll_status(
         }
         Err(fault) => {
             status.power_state = Some(PowerState::Unknown);
-            status.last_power_check = Some(now.clone());
             conditions::set(
                 &mut status.conditions,
                 Want::f(BMC_REACHABLE, fault.reason, fault.message),
@@ -364,7 +376,39 @@ pub fn poll_status(
             );
         }
     }
+    if status != before || status.last_power_check.is_none() {
+        status.last_power_check = Some(now.clone());
+    }
     status
+}
+
+/// When this manager last read each host's power, by host key: the schedule of the next
+/// reading, which status no longer carries for readings that changed nothing.
+#[derive(Default)]
+pub struct PowerReadings {
+    at: std::sync::Mutex<HashMap<String, jiff::Timestamp>>,
+}
+
+impl PowerReadings {
+    pub fn last(&self, key: &str) -> Option<jiff::Timestamp> {
+        self.at.lock().ok()?.get(key).copied()
+    }
+
+    /// Records a reading; past twice `live` entries, forgets hosts `live` no longer counts.
+    pub fn record(
+        &self,
+        key: &str,
+        at: jiff::Timestamp,
+        live: usize,
+        exists: impl Fn(&str) -> bool,
+    ) {
+        if let Ok(mut readings) = self.at.lock() {
+            readings.insert(key.to_string(), at);
+            if readings.len() > 2 * live.max(64) {
+                readings.retain(|k, _| exists(k));
+            }
+        }
+    }
 }
 
 pub struct HostContext {
@@ -377,6 +421,7 @@ pub struct HostContext {
     /// How long a graceful power-off may take before it is forced (the shared policy).
     pub graceful_off: Duration,
     pub power_requests: PowerRequests,
+    pub power_readings: PowerReadings,
     pub watch_filter: Option<String>,
     /// Metadata of the Secrets in scope, from the watch that also wakes hosts on a change.
     pub secret_meta: Store<PartialObjectMeta<Secret>>,
@@ -442,7 +487,17 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     let facts = attempt_facts(&host, &ctx.stores.boot_secrets);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
     label_secrets_for_move(ctx, &host).await;
-    match plan(&host, now.0, interval) {
+    let host_key = key(host.as_ref());
+    let read_power = |power: Result<PowerState, Fault>| {
+        let hosts = &ctx.stores.hosts;
+        ctx.power_readings
+            .record(&host_key, now.0, hosts.len(), |k| {
+                k.split_once('/')
+                    .is_some_and(|(ns, name)| hosts.get(&ObjectRef::new(name).within(ns)).is_some())
+            });
+        power
+    };
+    match plan(&host, now.0, interval, ctx.power_readings.last(&host_key)) {
         HostPlan::Paused => {
             let mut status = host.status.clone().unwrap_or_default();
             conditions::set(
@@ -540,7 +595,6 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             }
         }
         HostPlan::HoldOff => {
-            let host_key = key(host.as_ref());
             let mut status = host.status.clone().unwrap_or_default();
             conditions::set(
                 &mut status.conditions,
@@ -556,10 +610,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 })
                 .unwrap_or_default();
             let bmc = connect(ctx, &host).await;
-            let power = match &bmc {
+            let power = read_power(match &bmc {
                 Ok(b) => b.power_state().await.map_err(|e| Fault::from_bmc(&e)),
                 Err(f) => Err(f.clone()),
-            };
+            });
             let step = power_off_step(
                 power.clone(),
                 since,
@@ -598,10 +652,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
-            let result = match connect(ctx, &host).await {
+            let result = read_power(match connect(ctx, &host).await {
                 Err(f) => Err(f),
                 Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
-            };
+            });
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
             let status = settle(&host, polled, consumer, &facts, &now);
@@ -619,10 +673,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             );
             if status.state != previous_state {
                 // A new state is worth a fresh power reading (a boot or power-off just happened).
-                let result = match connect(ctx, &host).await {
+                let result = read_power(match connect(ctx, &host).await {
                     Err(f) => Err(f),
                     Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
-                };
+                });
                 let status = poll_status(status, host.metadata.generation, result, &now);
                 write_status(&ctx.expectations, &api, &host, &status).await?;
                 return Ok(Action::requeue(interval));
@@ -915,8 +969,55 @@ mod tests {
             ),
         ];
         for (what, h, now, want) in cases {
-            assert_eq!(plan(&h, at(now), five_min), want, "{what}");
+            assert_eq!(plan(&h, at(now), five_min, None), want, "{what}");
         }
+    }
+
+    #[test]
+    fn a_reading_kept_in_memory_defers_the_next_one() {
+        let five_min = Duration::from_secs(300);
+        let h = host(
+            Some(registered(HostState::Available, PowerState::Off, 0)),
+            true,
+        );
+        assert_eq!(plan(&h, at(400), five_min, None), HostPlan::Poll);
+        assert_eq!(
+            plan(&h, at(400), five_min, Some(at(350))),
+            HostPlan::Wait(Duration::from_secs(250)),
+            "read 50 s ago, though status still says 400 s"
+        );
+    }
+
+    #[test]
+    fn only_a_power_reading_that_changes_something_is_written() {
+        let mut shown = registered(HostState::Available, PowerState::Off, 0);
+        conditions::set(
+            &mut shown.conditions,
+            Want::t(BMC_REACHABLE, "BmcReachable", ""),
+            None,
+            &Time(at(0)),
+        );
+        let later = Time(at(400));
+        assert_eq!(
+            poll_status(shown.clone(), None, Ok(PowerState::Off), &later),
+            shown,
+            "same power, still reachable: nothing to write"
+        );
+        let on = poll_status(shown.clone(), None, Ok(PowerState::On), &later);
+        assert_eq!(on.power_state, Some(PowerState::On));
+        assert_eq!(on.last_power_check, Some(later.clone()));
+        let lost = poll_status(
+            shown,
+            None,
+            Err(Fault {
+                reason: "BmcUnreachable",
+                message: "connection refused".into(),
+            }),
+            &later,
+        );
+        assert_eq!(lost.power_state, Some(PowerState::Unknown));
+        assert_eq!(lost.last_power_check, Some(later));
+        assert!(!conditions::is_true(&lost.conditions, BMC_REACHABLE));
     }
 
     #[test]
