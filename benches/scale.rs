@@ -13,7 +13,8 @@
 //!   in flight at one host, and warnings/errors in the manager's log.
 //!
 //! `SCALE_N=100,1000` picks the sizes (default 100,1000,10000); `SCALE_STEADY_SECONDS` the
-//! steady-state window (default 60).
+//! steady-state window (default 60); `SCALE_HEAPTRACK=<file>` records the manager's heap with
+//! heaptrack (attached once the manager starts).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -270,6 +271,19 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
             .map_err(|e| format!("starting {}: {e}", manager_binary().display()))?,
     );
     let manager_pid = manager.0.id();
+    // SCALE_HEAPTRACK=<file>: record the manager's heap from here on (where its memory goes).
+    let _heaptrack = std::env::var_os("SCALE_HEAPTRACK").and_then(|out| {
+        Command::new("heaptrack")
+            .arg("--pid")
+            .arg(manager_pid.to_string())
+            .arg("--output")
+            .arg(out)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()
+    });
 
     // Watches, as the manager has them: what the benchmark sees costs one watch per kind.
     let (hosts, hosts_writer) = reflector::store::<MetalHost>();

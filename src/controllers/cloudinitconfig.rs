@@ -390,21 +390,22 @@ pub fn controller(
     let (store, writer) = reflector::store();
     let owned = reflector(
         writer,
-        watcher(
+        crate::stores::lean(watcher(
             secrets,
             watcher::Config::default().labels(CLUSTER_NAME_LABEL),
-        )
+        ))
         .default_backoff(),
     )
     .touched_objects();
     (
-        Controller::new(configs, watcher::Config::default()).owns_stream(owned),
+        crate::stores::lean_controller(configs, watcher::Config::default()).owns_stream(owned),
         store,
     )
 }
 
 pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext>) {
     controller
+        .with_config(crate::controllers::concurrency(false))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

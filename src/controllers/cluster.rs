@@ -147,11 +147,12 @@ pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<C
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    Controller::new(clusters, watcher::Config::default())
+    crate::stores::lean_controller(clusters, watcher::Config::default())
 }
 
 pub async fn run(controller: Controller<Cluster>, ctx: Arc<StatusContext>) {
     controller
+        .with_config(crate::controllers::concurrency(false))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

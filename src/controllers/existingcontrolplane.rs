@@ -236,7 +236,7 @@ pub fn controller(
             ),
             None => (Api::all(client.clone()), Api::all(client.clone())),
         };
-    let controller = Controller::new(planes, watcher::Config::default());
+    let controller = crate::stores::lean_controller(planes, watcher::Config::default());
     let store = controller.store();
     let by_cluster = store.clone();
     let adopted_by = move |store: &Store<ExistingControlPlane>,
@@ -278,6 +278,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<ExistingControlPlane>, ctx: Arc<Context>) {
     controller
+        .with_config(crate::controllers::concurrency(false))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

@@ -166,7 +166,7 @@ pub fn controller(
         ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let controller = Controller::new(clusters, watcher::Config::default());
+    let controller = crate::stores::lean_controller(clusters, watcher::Config::default());
     let store = controller.store();
     // Host labels define the failure domains: a host change re-evaluates its namespace's clusters.
     let by_cluster = store.clone();
@@ -194,6 +194,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {
     controller
+        .with_config(crate::controllers::concurrency(false))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

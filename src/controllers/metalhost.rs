@@ -762,10 +762,12 @@ pub fn controller(
     let claimed = stores.hosts.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
     // kept in a store for the move label).
-    let secret_changes =
-        kube::runtime::reflector(secret_meta, watcher(secrets, watcher::Config::default()))
-            .default_backoff()
-            .touched_objects();
+    let secret_changes = kube::runtime::reflector(
+        secret_meta,
+        crate::stores::lean(watcher(secrets, watcher::Config::default())),
+    )
+    .default_backoff()
+    .touched_objects();
     Controller::for_shared_stream(hosts, stores.hosts.clone())
         .watches_stream(secret_changes, move |secret| {
             crate::controllers::hostbmc::forget_secret(
@@ -815,6 +817,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
     controller
+        .with_config(crate::controllers::concurrency(true))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

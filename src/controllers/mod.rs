@@ -258,6 +258,15 @@ where
     result
 }
 
+/// How many passes one controller runs at once. Unbounded, a burst of 10,000 changes starts
+/// 10,000 passes that each hold what they observed (a claiming MetalMachine: every host) while
+/// they wait on the apiserver; bounded, the rest wait in the queue as object references.
+/// Controllers whose passes wait on BMCs (20 s per request at worst) get more room, so a few
+/// slow BMCs do not hold up the fleet.
+pub fn concurrency(bmc_bound: bool) -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(if bmc_bound { 256 } else { 64 })
+}
+
 /// `namespace/name` of an object, the key for backoff and logs.
 pub fn key<K: Resource>(obj: &K) -> String {
     format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())

@@ -127,7 +127,7 @@ impl Triggers {
             // its end (InitDone), so those wake their Machines then, from the store.
             let events = kube::runtime::reflector(
                 writer,
-                watcher(api, watcher::Config::default()).default_backoff(),
+                crate::stores::lean(watcher(api, watcher::Config::default())).default_backoff(),
             );
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
@@ -424,7 +424,7 @@ pub fn controller(
             None => Api::all(client.clone()),
         }
     }
-    let controller = Controller::new(
+    let controller = crate::stores::lean_controller(
         api::<Machine>(&client, namespace),
         watcher::Config::default(),
     );
@@ -455,6 +455,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<Machine>, ctx: Arc<MachineContext>) {
     controller
+        .with_config(crate::controllers::concurrency(false))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

@@ -144,10 +144,10 @@ impl Workloads {
         let listener = self.listener.clone();
         let stream = reflector::reflector(
             writer,
-            watcher(
+            crate::stores::lean(watcher(
                 Api::<Node>::all(workload.clone()),
                 watcher::Config::default(),
-            ),
+            )),
         )
         .default_backoff()
         .applied_objects();
