@@ -702,7 +702,7 @@ async fn deletion_runs_hooks_drain_infra_bootstrap_node_in_order() {
             .then_some(())
     })
     .await;
-    // An Event per eviction; kube's recorder folds repeats of one reason into a series.
+    // An Event per eviction; the recorder folds repeats of one reason into a series.
     let events: Api<Event> = Api::namespaced(client.clone(), &ns);
     eventually("two PodEvicted Events", 30, || async {
         let count: i32 = events

@@ -15,13 +15,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use crate::api::{MetalHost, MetalMachine};
+use crate::controllers::events::EventRecorder;
+use kube::runtime::events::EventType;
 
 use super::ipxe::{self, HostScript, Templates};
 use super::nocloud;
@@ -108,7 +109,7 @@ pub struct BootState {
     pub config: BootConfig,
     templates: Templates,
     client: kube::Client,
-    recorder: Recorder,
+    recorder: EventRecorder,
     callbacks: mpsc::UnboundedSender<CallbackNotice>,
     /// Source address pinned per attempt (boot Secret namespace/name/attempt).
     /// Per boot Secret (`namespace/name`): the token the pin is for, and the first address
@@ -279,13 +280,7 @@ impl BootState {
         client: kube::Client,
         callbacks: mpsc::UnboundedSender<CallbackNotice>,
     ) -> Result<Self, minijinja::Error> {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "metalboot-boot-service".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+        let recorder = EventRecorder::new(client.clone(), "metalboot-boot-service");
         Ok(Self {
             stores,
             config,
@@ -522,16 +517,9 @@ impl BootState {
             crate::metrics::record_event_suppressed(reason);
             return;
         }
-        let event = KubeEvent {
-            type_,
-            reason: reason.into(),
-            note: Some(note),
-            action: "Boot".into(),
-            secondary: None,
-        };
         if let Err(e) = self
             .recorder
-            .publish(&event, &machine.object_ref(&()))
+            .publish(machine, type_, reason, "Boot", &note)
             .await
         {
             tracing::warn!(error = %e, reason, "could not publish Event");

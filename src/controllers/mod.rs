@@ -6,6 +6,7 @@ pub mod cloudinitconfig;
 pub mod cluster;
 pub mod conditions;
 pub mod drain;
+pub mod events;
 pub mod existingcontrolplane;
 pub mod expectations;
 pub mod hostbmc;
@@ -22,7 +23,6 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -324,19 +324,13 @@ pub fn merge_params(manager: &str) -> PatchParams {
 /// Publishes Events for one controller; failures to publish are logged, never fatal.
 #[derive(Clone)]
 pub struct Events {
-    recorder: Recorder,
+    recorder: events::EventRecorder,
 }
 
 impl Events {
     pub fn new(client: kube::Client, controller: &str) -> Self {
         Self {
-            recorder: Recorder::new(
-                client,
-                Reporter {
-                    controller: controller.into(),
-                    instance: std::env::var("POD_NAME").ok(),
-                },
-            ),
+            recorder: events::EventRecorder::new(client, controller),
         }
     }
 
@@ -348,19 +342,21 @@ impl Events {
         note: impl Into<String>,
     ) {
         let note: String = note.into();
-        let event = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            // Events are capped at 1 kB; keep the start, which says what happened.
-            note: Some(note.chars().take(1000).collect()),
-            action: reason.into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&event, &obj.object_ref(&())).await {
+        if let Err(e) = self
+            .recorder
+            .publish(
+                obj,
+                if warning {
+                    kube::runtime::events::EventType::Warning
+                } else {
+                    kube::runtime::events::EventType::Normal
+                },
+                reason,
+                reason,
+                &note,
+            )
+            .await
+        {
             tracing::warn!(reason, error = %e, "could not publish Event");
         }
     }
