@@ -405,7 +405,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext>) {
     controller
-        .with_config(crate::controllers::concurrency(false))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

@@ -152,7 +152,7 @@ pub fn controller(client: kube::Client, namespace: Option<&str>) -> Controller<C
 
 pub async fn run(controller: Controller<Cluster>, ctx: Arc<StatusContext>) {
     controller
-        .with_config(crate::controllers::concurrency(false))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

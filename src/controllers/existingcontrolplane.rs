@@ -278,7 +278,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<ExistingControlPlane>, ctx: Arc<Context>) {
     controller
-        .with_config(crate::controllers::concurrency(false))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

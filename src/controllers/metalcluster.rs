@@ -194,7 +194,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {
     controller
-        .with_config(crate::controllers::concurrency(false))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

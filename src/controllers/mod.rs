@@ -259,12 +259,15 @@ where
 }
 
 /// How many passes one controller runs at once. Unbounded, a burst of 10,000 changes starts
-/// 10,000 passes that each hold what they observed (a claiming MetalMachine: every host) while
-/// they wait on the apiserver; bounded, the rest wait in the queue as object references.
-/// Controllers whose passes wait on BMCs (20 s per request at worst) get more room, so a few
-/// slow BMCs do not hold up the fleet.
-pub fn concurrency(bmc_bound: bool) -> kube::runtime::controller::Config {
-    kube::runtime::controller::Config::default().concurrency(if bmc_bound { 256 } else { 64 })
+/// 10,000 passes that each hold what they observed (a claiming MetalMachine: every host) and an
+/// apiserver connection while they wait; bounded, the rest wait in the queue as object
+/// references. Passes wait on the apiserver or a BMC (20 s per request at worst) far more than
+/// they compute, so the bound is wide: a few slow BMCs, or a burst of Machines queued at 64,
+/// held up a whole N=1000 run by up to a minute.
+pub const CONCURRENT_PASSES: u16 = 256;
+
+pub fn concurrency() -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(CONCURRENT_PASSES)
 }
 
 /// `namespace/name` of an object, the key for backoff and logs.

@@ -455,7 +455,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<Machine>, ctx: Arc<MachineContext>) {
     controller
-        .with_config(crate::controllers::concurrency(false))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})

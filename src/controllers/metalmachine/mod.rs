@@ -388,7 +388,7 @@ pub fn controller(
 
 pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>) {
     controller
-        .with_config(crate::controllers::concurrency(true))
+        .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
