@@ -16,7 +16,7 @@ pub mod claim;
 pub mod decide;
 pub mod observe;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -281,11 +281,12 @@ fn error_policy(mm: Arc<MetalMachine>, error: &ReconcileError, ctx: Arc<MachineC
 /// release both happened between two reads of it).
 const WAKES_PER_FREED_HOST: usize = 8;
 
-/// Which hosts the host watch last showed free (Available, unclaimed), so that only a host that
-/// becomes free wakes waiting machines. Waking every waiting machine on every event of a free
-/// host cost 10,000 × 10,000 wake-ups at 10,000 hosts and stalled the manager.
+/// Which hosts the host watch last showed free (Available, unclaimed), and with what a claim
+/// matches on (labels, hardware), so that only a host that becomes free, or a free host that
+/// now matches differently, wakes waiting machines. Waking every waiting machine on every event
+/// of a free host cost 10,000 × 10,000 wake-ups at 10,000 hosts and stalled the manager.
 #[derive(Default)]
-struct FreedHosts(Mutex<HashSet<ObjectRef<MetalHost>>>);
+struct FreedHosts(Mutex<HashMap<ObjectRef<MetalHost>, u64>>);
 
 impl FreedHosts {
     fn newly_free(&self, host: &MetalHost) -> bool {
@@ -293,7 +294,10 @@ impl FreedHosts {
         let free = claim::is_free(host);
         let key = ObjectRef::from_obj(host);
         match self.0.lock() {
-            Ok(mut known) if free => known.insert(key),
+            Ok(mut known) if free => {
+                let matched_on = claim_fingerprint(host);
+                known.insert(key, matched_on) != Some(matched_on)
+            }
             Ok(mut known) => {
                 known.remove(&key);
                 false
@@ -338,6 +342,19 @@ impl FreedHosts {
             .map(|m| ObjectRef::from_obj(m.as_ref()))
             .collect()
     }
+}
+
+/// What a claim matches a free host on: its labels (selector, failure domain) and hardware.
+fn claim_fingerprint(host: &MetalHost) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    host.metadata.labels.hash(&mut h);
+    host.status
+        .as_ref()
+        .and_then(|s| s.hardware.as_ref())
+        .and_then(|hw| serde_json::to_string(hw).ok())
+        .hash(&mut h);
+    h.finish()
 }
 
 /// The controller over the shared streams: MetalMachines, and what wakes them — their boot
@@ -453,6 +470,12 @@ mod tests {
         assert!(!freed.newly_free(&host), "offline: not claimable");
         host.spec.online = true;
         assert!(freed.newly_free(&host), "back online: newly free");
+        host.metadata.labels = Some([("rack".to_string(), "r2".to_string())].into());
+        assert!(
+            freed.newly_free(&host),
+            "relabelled while free: may match others now"
+        );
+        assert!(!freed.newly_free(&host), "same labels: nothing new");
 
         let machine = |name: &str, reason: Option<&str>| {
             let mut m = MetalMachine::new(name, Default::default());
