@@ -355,7 +355,10 @@ pub fn poll_status(
     result: Result<PowerState, Fault>,
     now: &Time,
 ) -> MetalHostStatus {
-    let before = status.clone();
+    // What a reading can change; compared instead of cloning the whole status (inventory and
+    // all) on every poll.
+    let power_before = status.power_state;
+    let reachable_before = conditions::get(&status.conditions, BMC_REACHABLE).cloned();
     match result {
         Ok(power) => {
             status.power_state = Some(power);
@@ -376,7 +379,10 @@ pub fn poll_status(
             );
         }
     }
-    if status != before || status.last_power_check.is_none() {
+    if status.power_state != power_before
+        || conditions::get(&status.conditions, BMC_REACHABLE) != reachable_before.as_ref()
+        || status.last_power_check.is_none()
+    {
         status.last_power_check = Some(now.clone());
     }
     status
