@@ -167,12 +167,41 @@ pub struct RunningManager {
     pub base_url: String,
     /// The boot service's state (infrastructure controllers only): subscribe to its milestones.
     pub boot: Option<Arc<BootState>>,
+    /// What the infrastructure controllers keep in memory per object (infrastructure only):
+    /// the janitor must empty it of objects that are gone.
+    pub held: Option<Held>,
     /// Long-running services: the manager runs while all of them do.
     tasks: Vec<JoinHandle<()>>,
     /// Helpers that finish on their own (store sync); aborted with the manager.
     helpers: Vec<JoinHandle<()>>,
     /// Held while this replica leads (None without leader election).
     leadership: Option<Leadership>,
+}
+
+/// The manager's per-object memory, for checking that deleted objects leave none behind.
+pub struct Held {
+    hosts: Arc<metalhost::HostContext>,
+    machines: Arc<metalmachine::MachineContext>,
+}
+
+/// How many entries each per-object map holds.
+#[derive(Debug, Default, PartialEq)]
+pub struct HeldCounts {
+    pub host_power_requests: usize,
+    pub host_power_readings: usize,
+    pub machine_power_requests: usize,
+    pub machine_power_ons: usize,
+}
+
+impl Held {
+    pub fn counts(&self) -> HeldCounts {
+        HeldCounts {
+            host_power_requests: self.hosts.power_requests.len(),
+            host_power_readings: self.hosts.power_readings.len(),
+            machine_power_requests: self.machines.power_requests.len(),
+            machine_power_ons: self.machines.power_ons.len(),
+        }
+    }
 }
 
 impl RunningManager {
@@ -258,6 +287,7 @@ pub async fn start(
         tftp_addr: None,
         base_url,
         boot: None,
+        held: None,
         tasks: Vec::new(),
         helpers: Vec::new(),
         leadership,
@@ -612,6 +642,10 @@ async fn start_infrastructure(
             }
         }));
     }
+    running.held = Some(Held {
+        hosts: host_ctx.clone(),
+        machines: machine_ctx.clone(),
+    });
     running
         .tasks
         .push(tokio::spawn(crate::controllers::janitor::run(

@@ -588,10 +588,15 @@ async fn a_malformed_machine_does_not_stop_another_machine_from_provisioning() {
 async fn a_deleted_host_is_logged_out_of_its_bmc() {
     let lab = hostlab::lab_with("bmc-logout", 1, true).await;
     lab.host(0).await;
-    let _manager = lab.manager().await;
+    let manager = lab.manager().await;
     support::eventually("host-0 registered over one BMC session", 60, || async {
         let available = lab.metal_host("host-0").await.status?.state == Some(HostState::Available);
         (available && lab.proxy.session_count() == 1).then_some(())
+    })
+    .await;
+    let held = manager.held.as_ref().expect("infrastructure controllers run");
+    support::eventually("the host's power is read on its poll", 60, || async {
+        (held.counts().host_power_readings == 1).then_some(())
     })
     .await;
     Api::<MetalHost>::namespaced(lab.ns.client.clone(), &lab.ns.name)
@@ -600,6 +605,12 @@ async fn a_deleted_host_is_logged_out_of_its_bmc() {
         .expect("delete host");
     support::eventually("the deleted host's session is logged out", 30, || async {
         (lab.proxy.session_count() == 0).then_some(())
+    })
+    .await;
+    // And the manager forgets the host: no power reading or request of it stays in memory.
+    let held = manager.held.as_ref().expect("infrastructure controllers run");
+    support::eventually("the deleted host's power reading is forgotten", 30, || async {
+        (held.counts() == Default::default()).then_some(())
     })
     .await;
 }

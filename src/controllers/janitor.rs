@@ -1,6 +1,6 @@
 //! Forgets what the manager keeps in memory about objects that are gone: BMC drivers of deleted
-//! hosts (logged out, so their Redfish sessions do not pile up on the BMC), backoff and
-//! power-request entries, source-address pins of finished boot attempts, expired expectations.
+//! hosts (logged out, so their Redfish sessions do not pile up on the BMC), backoff,
+//! power-request, power-on and power-reading entries, source-address pins of finished boot attempts, expired expectations.
 //! Without it each of these grows with every host and machine ever seen.
 
 use std::collections::HashSet;
@@ -55,9 +55,13 @@ pub async fn sweep(hosts: &HostContext, machines: &MachineContext, boot: &BootSt
     }
     hosts.backoff.retain(|k| live_hosts.contains(k));
     hosts.power_requests.retain(|k| live_hosts.contains(k));
+    hosts.power_readings.retain(|k| live_hosts.contains(k));
     machines.backoff.retain(|k| live_machines.contains(k));
     machines
         .power_requests
+        .retain(|k| live_machine_objects.contains(k));
+    machines
+        .power_ons
         .retain(|k| live_machine_objects.contains(k));
     machines.expectations.expire();
     hosts.expectations.expire();

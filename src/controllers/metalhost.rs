@@ -389,7 +389,8 @@ pub fn poll_status(
 }
 
 /// When this manager last read each host's power, by host key: the schedule of the next
-/// reading, which status no longer carries for readings that changed nothing.
+/// reading, which status no longer carries for readings that changed nothing. The janitor
+/// forgets deleted hosts.
 #[derive(Default)]
 pub struct PowerReadings {
     at: std::sync::Mutex<HashMap<String, jiff::Timestamp>>,
@@ -400,20 +401,25 @@ impl PowerReadings {
         self.at.lock().ok()?.get(key).copied()
     }
 
-    /// Records a reading; past twice `live` entries, forgets hosts `live` no longer counts.
-    pub fn record(
-        &self,
-        key: &str,
-        at: jiff::Timestamp,
-        live: usize,
-        exists: impl Fn(&str) -> bool,
-    ) {
+    pub fn record(&self, key: &str, at: jiff::Timestamp) {
         if let Ok(mut readings) = self.at.lock() {
             readings.insert(key.to_string(), at);
-            if readings.len() > 2 * live.max(64) {
-                readings.retain(|k, _| exists(k));
-            }
         }
+    }
+
+    /// Forgets the hosts for which `keep` is false (they are gone).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut readings) = self.at.lock() {
+            readings.retain(|k, _| keep(k));
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.at.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -495,12 +501,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     label_secrets_for_move(ctx, &host).await;
     let host_key = key(host.as_ref());
     let read_power = |power: Result<PowerState, Fault>| {
-        let hosts = &ctx.stores.hosts;
-        ctx.power_readings
-            .record(&host_key, now.0, hosts.len(), |k| {
-                k.split_once('/')
-                    .is_some_and(|(ns, name)| hosts.get(&ObjectRef::new(name).within(ns)).is_some())
-            });
+        ctx.power_readings.record(&host_key, now.0);
         power
     };
     match plan(&host, now.0, interval, ctx.power_readings.last(&host_key)) {
