@@ -9,6 +9,8 @@
 //! - release: deleting all Machines until every host is Available again;
 //! - manager peak RSS and CPU seconds, apiserver CPU seconds, apiserver requests by verb per phase;
 //! - callback → MetalMachine ready and → Machine Provisioned, p50/p99, seen through watches;
+//! - the same, one at a time with the fleet at rest: a tenth of the Machines (at most 20) are
+//!   deleted, then replaced one by one;
 //! - power actions at hosts after their accepted callback (must be 0), the most BMC requests
 //!   in flight at one host, and warnings/errors in the manager's log.
 //!
@@ -187,6 +189,10 @@ struct Row {
     ready_p99_ms: f64,
     provisioned_p50_ms: f64,
     provisioned_p99_ms: f64,
+    quiet_ready_p50_ms: f64,
+    quiet_ready_max_ms: f64,
+    quiet_provisioned_p50_ms: f64,
+    quiet_provisioned_max_ms: f64,
     resets_after_callback: u64,
     max_in_flight: u32,
     log_problems: usize,
@@ -485,10 +491,60 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         open_fds(manager_pid)
     );
 
-    // Release.
+    // Quiet: with the fleet at rest, replace a few Machines one at a time and time each callback
+    // alone (the provision phase's latencies include queueing behind the creation storm).
+    let quiet = (n / 10).clamp(1, 20);
     fleet.releasing(true);
-    let before = after;
     let api: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
+    for i in n - quiet..n {
+        api.delete(&format!("lab-{i}"), &DeleteParams::default())
+            .await
+            .map_err(|e| format!("deleting lab-{i}: {e}"))?;
+    }
+    let freed = wait_until("quiet: free hosts", phase_limit(n), || {
+        let left = machines.state().len();
+        let a = available(&hosts);
+        (left > (n - quiet) as usize || a < quiet as usize)
+            .then(|| format!("{left} Machines left, {a}/{quiet} Available"))
+    })
+    .await;
+    fleet.releasing(false);
+    let (mut ready_ms, mut provisioned_ms) = (Vec::new(), Vec::new());
+    for i in n..n + quiet {
+        let name = format!("lab-{i}");
+        objects.machine(i).await.map_err(|e| e.to_string())?;
+        let both = |seen: &Seen| {
+            seen.get(&name)
+                .and_then(|(ready, provisioned)| Some((ready.as_ref()?, provisioned.as_ref()?)))
+                .map(|(r, p)| (*r, *p))
+        };
+        wait_until("quiet: provision", Duration::from_secs(300), || {
+            let done = seen.lock().ok().and_then(|s| both(&s));
+            done.is_none().then(|| format!("{name} not yet ready and Provisioned"))
+        })
+        .await;
+        let called = mms
+            .get(&reflector::ObjectRef::new(&name).within(NAMESPACE))
+            .and_then(|mm| Some(mm.status.as_ref()?.host_ref.as_ref()?.name.clone()))
+            .and_then(|h| fleet.hosts.iter().find(|x| x.name == h)?.callback_at());
+        let done = seen.lock().ok().and_then(|s| both(&s));
+        if let (Some(called), Some((ready, provisioned))) = (called, done) {
+            let ms = |t: Instant| t.saturating_duration_since(called).as_secs_f64() * 1000.0;
+            ready_ms.push(ms(ready));
+            provisioned_ms.push(ms(provisioned));
+        }
+    }
+    row.quiet_ready_p50_ms = percentile(ready_ms.clone(), 0.5);
+    row.quiet_ready_max_ms = percentile(ready_ms.clone(), 1.0);
+    row.quiet_provisioned_p50_ms = percentile(provisioned_ms.clone(), 0.5);
+    row.quiet_provisioned_max_ms = percentile(provisioned_ms.clone(), 1.0);
+    println!(
+        "N={n} quiet: {quiet} Machines freed in {freed:.1}s, then provisioned one at a time: callback→ready {ready_ms:.0?} ms, callback→Provisioned {provisioned_ms:.0?} ms"
+    );
+
+    // Release.
+    let before = apiserver_requests(&client).await;
+    fleet.releasing(true);
     // One DELETE per Machine, as a MachineSet scaling down sends them.
     futures::stream::iter(machines.state())
         .map(|m| {
@@ -569,9 +625,9 @@ fn main() {
         }
     }
     println!(
-        "\n| N | register | all Running | delete → all Available | manager peak RSS | manager CPU | apiserver CPU | BMC req/host/min (steady) | callback→ready p50/p99 | callback→Provisioned p50/p99 | resets after callback | max BMC requests in flight per host | WARN/ERROR lines |"
+        "\n| N | register | all Running | delete → all Available | manager peak RSS | manager CPU | apiserver CPU | BMC req/host/min (steady) | callback→ready p50/p99 | callback→Provisioned p50/p99 | one at a time: callback→ready p50/max | one at a time: callback→Provisioned p50/max | resets after callback | max BMC requests in flight per host | WARN/ERROR lines |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("{}", markdown(&r));
     }
@@ -580,7 +636,7 @@ fn main() {
 fn markdown(r: &Row) -> String {
     {
         format!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
             r.n,
             r.register,
             r.provision,
@@ -593,6 +649,10 @@ fn markdown(r: &Row) -> String {
             r.ready_p99_ms,
             r.provisioned_p50_ms,
             r.provisioned_p99_ms,
+            r.quiet_ready_p50_ms,
+            r.quiet_ready_max_ms,
+            r.quiet_provisioned_p50_ms,
+            r.quiet_provisioned_max_ms,
             r.resets_after_callback,
             r.max_in_flight,
             r.log_problems
