@@ -520,7 +520,8 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         };
         wait_until("quiet: provision", Duration::from_secs(300), || {
             let done = seen.lock().ok().and_then(|s| both(&s));
-            done.is_none().then(|| format!("{name} not yet ready and Provisioned"))
+            done.is_none()
+                .then(|| format!("{name} not yet ready and Provisioned"))
         })
         .await;
         let called = mms

@@ -594,7 +594,10 @@ async fn a_deleted_host_is_logged_out_of_its_bmc() {
         (available && lab.proxy.session_count() == 1).then_some(())
     })
     .await;
-    let held = manager.held.as_ref().expect("infrastructure controllers run");
+    let held = manager
+        .held
+        .as_ref()
+        .expect("infrastructure controllers run");
     support::eventually("the host's power is read on its poll", 60, || async {
         (held.counts().host_power_readings == 1).then_some(())
     })
@@ -608,10 +611,11 @@ async fn a_deleted_host_is_logged_out_of_its_bmc() {
     })
     .await;
     // And the manager forgets the host: no power reading or request of it stays in memory.
-    let held = manager.held.as_ref().expect("infrastructure controllers run");
-    support::eventually("the deleted host's power reading is forgotten", 30, || async {
-        (held.counts() == Default::default()).then_some(())
-    })
+    support::eventually(
+        "the deleted host's power reading is forgotten",
+        30,
+        || async { (held.counts() == Default::default()).then_some(()) },
+    )
     .await;
 }
 
