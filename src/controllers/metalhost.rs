@@ -9,7 +9,6 @@
 //! Where to look: [`plan`] (what to do with the BMC this pass) and [`desired_state`] (which
 //! state the host is in) are pure and table-tested below.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -389,39 +388,8 @@ pub fn poll_status(
 }
 
 /// When this manager last read each host's power, by host key: the schedule of the next
-/// reading, which status no longer carries for readings that changed nothing. The janitor
-/// forgets deleted hosts.
-#[derive(Default)]
-pub struct PowerReadings {
-    at: std::sync::Mutex<HashMap<String, jiff::Timestamp>>,
-}
-
-impl PowerReadings {
-    pub fn last(&self, key: &str) -> Option<jiff::Timestamp> {
-        self.at.lock().ok()?.get(key).copied()
-    }
-
-    pub fn record(&self, key: &str, at: jiff::Timestamp) {
-        if let Ok(mut readings) = self.at.lock() {
-            readings.insert(key.to_string(), at);
-        }
-    }
-
-    /// Forgets the hosts for which `keep` is false (they are gone).
-    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        if let Ok(mut readings) = self.at.lock() {
-            readings.retain(|k, _| keep(k));
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.at.lock().map(|r| r.len()).unwrap_or(0)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+/// reading, which status no longer carries for readings that changed nothing.
+pub type PowerReadings = super::per_object::PerObject<jiff::Timestamp>;
 
 pub struct HostContext {
     pub client: kube::Client,
@@ -501,10 +469,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     label_secrets_for_move(ctx, &host).await;
     let host_key = key(host.as_ref());
     let read_power = |power: Result<PowerState, Fault>| {
-        ctx.power_readings.record(&host_key, now.0);
+        ctx.power_readings.insert(&host_key, now.0);
         power
     };
-    match plan(&host, now.0, interval, ctx.power_readings.last(&host_key)) {
+    match plan(&host, now.0, interval, ctx.power_readings.get(&host_key)) {
         HostPlan::Paused => {
             let mut status = host.status.clone().unwrap_or_default();
             conditions::set(

@@ -15,11 +15,10 @@ pub mod machine;
 pub mod metalcluster;
 pub mod metalhost;
 pub mod metalmachine;
+pub mod per_object;
 pub mod power;
 pub mod refs;
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use kube::api::{Api, Patch, PatchParams};
@@ -158,7 +157,7 @@ impl ReconcileError {
 /// … capped at 5 minutes, with ±20 % jitter so a rack of failing hosts does not retry in step.
 #[derive(Default)]
 pub struct Backoff {
-    failures: Mutex<HashMap<String, u32>>,
+    failures: per_object::PerObject<u32>,
 }
 
 impl Backoff {
@@ -169,9 +168,7 @@ impl Backoff {
     pub fn next(&self, key: &str) -> Duration {
         let n = self
             .failures
-            .lock()
-            .map(|mut f| {
-                let n = f.entry(key.to_string()).or_insert(0);
+            .update(key, |n| {
                 *n = n.saturating_add(1);
                 *n
             })
@@ -208,20 +205,16 @@ impl Backoff {
 
     /// `key` reconciled fine: its next failure starts from the base delay again.
     pub fn reset(&self, key: &str) {
-        if let Ok(mut f) = self.failures.lock() {
-            f.remove(key);
-        }
+        self.failures.remove(key);
     }
 
     /// Forgets the objects for which `keep` is false (they are gone).
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        if let Ok(mut f) = self.failures.lock() {
-            f.retain(|k, _| keep(k));
-        }
+        self.failures.retain(keep);
     }
 
     pub fn len(&self) -> usize {
-        self.failures.lock().map(|f| f.len()).unwrap_or(0)
+        self.failures.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -3,12 +3,12 @@
 //! the configured grace period, send each request once and re-send it only after
 //! [`POWER_OFF_RESEND`], and give up after a deadline.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::api::metalhost::PowerState;
 use crate::bmc::PowerAction;
+
+use super::per_object::PerObject;
 
 /// A BMC or credentials fault, as a condition reason and a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,47 +84,21 @@ pub fn power_off_step(
     }
 }
 
-/// The power-off request last sent per object, and when. In memory: after a restart the request
+/// The power request last sent per object, and when. In memory: after a restart the request
 /// is simply sent once more. Entries go when the object is off, given up, or deleted.
-#[derive(Default)]
-pub struct PowerRequests {
-    sent: Mutex<HashMap<String, (PowerAction, Instant)>>,
-}
+pub type PowerRequests = PerObject<(PowerAction, Instant)>;
 
 impl PowerRequests {
     pub fn last(&self, key: &str) -> Option<(PowerAction, Duration)> {
-        self.sent
-            .lock()
-            .ok()
-            .and_then(|sent| sent.get(key).copied())
-            .map(|(action, at)| (action, at.elapsed()))
+        self.get(key).map(|(action, at)| (action, at.elapsed()))
     }
 
     pub fn record(&self, key: &str, action: PowerAction) {
-        if let Ok(mut sent) = self.sent.lock() {
-            sent.insert(key.to_string(), (action, Instant::now()));
-        }
+        self.insert(key, (action, Instant::now()));
     }
 
     pub fn forget(&self, key: &str) {
-        if let Ok(mut sent) = self.sent.lock() {
-            sent.remove(key);
-        }
-    }
-
-    /// Forgets the objects for which `keep` is false (they are gone).
-    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        if let Ok(mut sent) = self.sent.lock() {
-            sent.retain(|k, _| keep(k));
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.sent.lock().map(|s| s.len()).unwrap_or(0)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.remove(key);
     }
 }
 
