@@ -492,8 +492,9 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     );
 
     // Quiet: with the fleet at rest, replace a few Machines one at a time and time each callback
-    // alone (the provision phase's latencies include queueing behind the creation storm).
-    let quiet = (n / 10).clamp(1, 20);
+    // alone (the provision phase's latencies include queueing behind the creation storm). None
+    // below N=10: lab-0, the control-plane Machine, is never among them.
+    let quiet = (n / 10).min(20);
     fleet.releasing(true);
     let api: Api<Machine> = Api::namespaced(client.clone(), NAMESPACE);
     for i in n - quiet..n {
@@ -539,6 +540,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     row.quiet_ready_max_ms = percentile(ready_ms.clone(), 1.0);
     row.quiet_provisioned_p50_ms = percentile(provisioned_ms.clone(), 0.5);
     row.quiet_provisioned_max_ms = percentile(provisioned_ms.clone(), 1.0);
+    // The quiet phase's boots count too: no power action after a callback here either.
+    let stats = fleet.stats();
+    row.resets_after_callback = stats.actions_after_callback;
+    row.max_in_flight = stats.bmc_max_in_flight;
     println!(
         "N={n} quiet: {quiet} Machines freed in {freed:.1}s, then provisioned one at a time: callback→ready {ready_ms:.0?} ms, callback→Provisioned {provisioned_ms:.0?} ms"
     );
