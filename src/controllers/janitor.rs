@@ -1,6 +1,7 @@
 //! Forgets what the manager keeps in memory about objects that are gone: BMC drivers of deleted
 //! hosts (logged out, so their Redfish sessions do not pile up on the BMC), backoff,
-//! power-request, power-on and power-reading entries, source-address pins of finished boot attempts, expired expectations.
+//! power-request, power-on and power-reading entries, source-address pins of finished boot
+//! attempts, expired expectations.
 //! Without it each of these grows with every host and machine ever seen.
 
 use std::collections::HashSet;
