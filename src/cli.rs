@@ -69,6 +69,10 @@ pub struct ManagerArgs {
     /// Kubeconfig to use; defaults to $KUBECONFIG, ~/.kube/config, then the in-cluster account.
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
+    /// Apiserver requests in flight at once (watches, Lease renewals and the work a host's
+    /// callback waits on excepted); the rest queue in the manager, in order. 0: no bound.
+    #[arg(long, env = "METALBOOT_API_REQUESTS_IN_FLIGHT", default_value_t = crate::kubeconn::gate::DEFAULT_IN_FLIGHT)]
+    pub api_requests_in_flight: usize,
     /// Connect to the cluster, report where, and exit (a quick check of credentials and network).
     #[arg(long)]
     pub check_connection: bool,
@@ -447,9 +451,13 @@ pub async fn run() -> ExitCode {
 async fn dispatch(command: Command) -> Result<(), String> {
     match command {
         Command::Manager(args) => {
-            let conn = crate::kubeconn::connect(args.kubeconfig.as_deref(), &args.identity())
-                .await
-                .map_err(|e| e.to_string())?;
+            let conn = crate::kubeconn::connect(
+                args.kubeconfig.as_deref(),
+                &args.identity(),
+                args.api_requests_in_flight,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
             tracing::info!(server = %conn.server, source = %conn.source_desc, "connected to the management cluster");
             if args.check_connection {
                 return Ok(());
