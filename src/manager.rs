@@ -517,21 +517,6 @@ async fn start_infrastructure(
     });
 
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
-    let fresh_secrets = metalmachine::FreshSecrets::default();
-    let offered = fresh_secrets.clone();
-    let callbacks = futures::stream::unfold(callback_rx, move |mut rx| {
-        let offered = offered.clone();
-        async move {
-            let notice = rx.recv().await?;
-            offered.offer(&notice);
-            Some((notice, rx))
-        }
-    });
-    let machine_controller = metalmachine::controller(
-        &stores,
-        crate::controllers::Subscriptions::new(reflectors),
-        callbacks,
-    );
     let machine_ctx = Arc::new(metalmachine::MachineContext {
         client: client.clone(),
         connector,
@@ -546,8 +531,25 @@ async fn start_infrastructure(
         power_requests: Default::default(),
         power_ons: Default::default(),
         expectations: Default::default(),
-        fresh_secrets,
+        fresh_secrets: Default::default(),
+        pass_locks: Default::default(),
+        lane: Default::default(),
     });
+    let lane_ctx = machine_ctx.clone();
+    let callbacks = futures::stream::unfold(callback_rx, move |mut rx| {
+        let lane_ctx = lane_ctx.clone();
+        async move {
+            let notice = rx.recv().await?;
+            lane_ctx.fresh_secrets.offer(&notice);
+            metalmachine::callback_lane(&lane_ctx, &notice);
+            Some((notice, rx))
+        }
+    });
+    let machine_controller = metalmachine::controller(
+        &stores,
+        crate::controllers::Subscriptions::new(reflectors),
+        callbacks,
+    );
     let cluster_controller =
         metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
     let control_plane_controller = existingcontrolplane::controller(

@@ -774,6 +774,8 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         power_ons: Default::default(),
         expectations,
         fresh_secrets: Default::default(),
+        pass_locks: Default::default(),
+        lane: Default::default(),
     };
     let held = Arc::new(held_machine);
 

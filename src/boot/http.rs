@@ -1250,7 +1250,13 @@ async fn callback(
         received_at: jiff::Timestamp::now().to_string(),
     };
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
-    let recorded = match record_callback(&secrets, &record, &received).await {
+    // The host, and the machine's ready status after it, wait on this write: it skips the
+    // manager's queue of apiserver requests.
+    let recorded = match crate::kubeconn::gate::urgent(record_callback(
+        &secrets, &record, &received,
+    ))
+    .await
+    {
         Ok(recorded) => recorded,
         Err(CallbackWrite::Superseded) => {
             tracing::warn!(route = "/callback", machine = %record.metal_machine, attempt = record.attempt, client = ?ip, "callback of an attempt that was replaced or already called back");

@@ -396,30 +396,6 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let replaced = mm.resource_version();
             let written =
                 patch_from(ctx, mm, &machines, &name, replaced, patch, "providerID").await?;
-            if let BootObservation::Record(record) = &o.boot
-                && let Some(callback) = &record.callback
-                && let Ok(called) = callback.received_at.parse::<jiff::Timestamp>()
-            {
-                crate::metrics::observe_callback_latency(
-                    "ready",
-                    jiff::Timestamp::now()
-                        .duration_since(called)
-                        .as_secs_f64()
-                        .max(0.0),
-                );
-                if let Some(powered) = record.powered_at {
-                    crate::metrics::observe_phase(
-                        "boot",
-                        called.duration_since(powered).as_secs_f64(),
-                    );
-                }
-                if let Some(created) = mm.metadata.creation_timestamp.as_ref() {
-                    crate::metrics::observe_phase(
-                        "total",
-                        called.duration_since(created.0).as_secs_f64(),
-                    );
-                }
-            }
             Ok(Acted {
                 generation: written.metadata.generation,
             })

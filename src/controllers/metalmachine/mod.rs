@@ -41,7 +41,7 @@ use super::power::PowerRequests;
 use super::{Backoff, Events, ReconcileError, SharedStores, Subscriptions, passes_watch_filter};
 use act::ActError;
 use decide::{Decision, Policy};
-use observe::Observation;
+use observe::{BootObservation, Observation, Observed};
 
 pub use decide::provider_id;
 
@@ -120,6 +120,105 @@ pub struct MachineContext {
     pub power_ons: PowerRequests,
     pub expectations: Expectations,
     pub fresh_secrets: FreshSecrets,
+    /// One pass per machine at a time, between the controller and the callback lane.
+    pub pass_locks: PassLocks,
+    /// Callback-lane passes running now (see [`callback_lane`]).
+    pub lane: CallbackLane,
+}
+
+/// Serializes the passes over one MetalMachine between the controller and the callback lane
+/// (the controller alone never runs two at once). One lock per machine while a pass holds or
+/// awaits it, forgotten after: striped locks made a quarter of the callbacks at N=1000 wait for
+/// another machine's pass.
+#[derive(Default)]
+pub struct PassLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+/// A machine's turn; the lock is forgotten when no other pass awaits it.
+pub struct PassTurn<'a> {
+    locks: &'a PassLocks,
+    key: String,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl PassLocks {
+    pub async fn lock(&self, machine_key: &str) -> PassTurn<'_> {
+        let lock = match self.0.lock() {
+            Ok(mut locks) => locks.entry(machine_key.to_string()).or_default().clone(),
+            // A poisoned map: serialize nothing rather than stop every pass.
+            Err(_) => Arc::default(),
+        };
+        PassTurn {
+            locks: self,
+            key: machine_key.to_string(),
+            guard: Some(lock.lock_owned().await),
+        }
+    }
+
+    /// Machines with a pass holding or awaiting their lock.
+    pub fn len(&self) -> usize {
+        self.0.lock().map(|l| l.len()).unwrap_or_default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for PassTurn<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        if let Ok(mut locks) = self.locks.0.lock()
+            && locks
+                .get(&self.key)
+                .is_some_and(|lock| Arc::strong_count(lock) == 1)
+        {
+            locks.remove(&self.key);
+        }
+    }
+}
+
+/// Bounds the callback lane: past this many passes at once, a callback waits for the controller.
+#[derive(Clone)]
+pub struct CallbackLane(Arc<tokio::sync::Semaphore>);
+
+impl Default for CallbackLane {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::Semaphore::new(CALLBACK_LANE_PASSES)))
+    }
+}
+
+const CALLBACK_LANE_PASSES: usize = 64;
+
+/// A host's callback is acted on at once, outside the controller's queue. Under a burst the
+/// controller's runner is full and a woken machine waits among hundreds in no particular order
+/// (38 s p99 at N=1000); here its pass starts when the callback is recorded, in the urgent lane
+/// of the apiserver requests. The controller still gets the notice and passes again after.
+pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
+    let Ok(permit) = ctx.lane.0.clone().try_acquire_owned() else {
+        return;
+    };
+    let Some(mm) = ctx
+        .stores
+        .metal_machines
+        .get(&ObjectRef::new(&notice.metal_machine).within(&notice.namespace))
+    else {
+        return;
+    };
+    if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
+        return;
+    }
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let object = super::key(mm.as_ref());
+        let _turn = ctx.pass_locks.lock(&object).await;
+        let result =
+            crate::kubeconn::gate::urgent(super::instrumented(CONTROLLER, object, pass(mm, &ctx)))
+                .await;
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
+        }
+    });
 }
 
 async fn write_status(
@@ -178,6 +277,33 @@ fn with_fault(
 /// apply per machine for it. A power-on that fails still writes its fault with the full status;
 /// one that meets a conflict or an apiserver error leaves the Claiming status until a pass
 /// gets through.
+/// Seconds from the callback to this pass's ready status, and the boot and total phases.
+fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
+    let BootObservation::Record(record) = &o.boot else {
+        return;
+    };
+    let Some(called) = record
+        .callback
+        .as_ref()
+        .and_then(|c| c.received_at.parse::<jiff::Timestamp>().ok())
+    else {
+        return;
+    };
+    crate::metrics::observe_callback_latency(
+        "ready",
+        jiff::Timestamp::now()
+            .duration_since(called)
+            .as_secs_f64()
+            .max(0.0),
+    );
+    if let Some(powered) = record.powered_at {
+        crate::metrics::observe_phase("boot", called.duration_since(powered).as_secs_f64());
+    }
+    if let Some(created) = mm.metadata.creation_timestamp.as_ref() {
+        crate::metrics::observe_phase("total", called.duration_since(created.0).as_secs_f64());
+    }
+}
+
 fn leaves_status_to_next_pass(step: &decide::Step) -> bool {
     matches!(
         step,
@@ -193,6 +319,7 @@ async fn reconcile(
         return Ok(Action::await_change());
     }
     let object = super::key(mm.as_ref());
+    let _turn = ctx.pass_locks.lock(&object).await;
     super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await
 }
 
@@ -214,14 +341,35 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
     } = decide::decide(&observed, &ctx.policy);
     tracing::debug!(?step, "decided");
     let key = super::key(mm.as_ref());
-    match act::act(ctx, &observed, &step).await {
-        Ok(acted) => {
-            if !leaves_status_to_next_pass(&step) {
+    let acting = async {
+        let acted = act::act(ctx, &observed, &step).await;
+        let written = match &acted {
+            Ok(acted) if !leaves_status_to_next_pass(&step) => {
                 let status = match acted.generation {
-                    Some(generation) => restamped(status, mm.metadata.generation, generation),
-                    None => status,
+                    Some(generation) => {
+                        restamped(status.clone(), mm.metadata.generation, generation)
+                    }
+                    None => status.clone(),
                 };
-                write_status(ctx, &mm, &status).await?;
+                Some(write_status(ctx, &mm, &status).await)
+            }
+            _ => None,
+        };
+        (acted, written)
+    };
+    // A called-back host waits on these two writes (providerID, then ready): they skip the
+    // manager's queue of apiserver requests.
+    let called_back = matches!(step, decide::Step::RecordProvisioned { .. });
+    let (acted, written) = if called_back {
+        crate::kubeconn::gate::urgent(acting).await
+    } else {
+        acting.await
+    };
+    match acted {
+        Ok(_) => {
+            written.transpose()?;
+            if called_back {
+                record_callback_latency(&observed, &mm);
             }
             if let Some(note) = note {
                 ctx.events
@@ -446,6 +594,30 @@ mod tests {
             .map(|c| (c.type_.as_str(), c.observed_generation))
             .collect();
         assert_eq!(generations, [("Ready", Some(2)), ("Older", Some(0))]);
+    }
+
+    /// Passes over one machine take turns, passes over two do not wait for each other, and a
+    /// machine's lock is forgotten once no pass holds or awaits it.
+    #[tokio::test]
+    async fn passes_over_one_machine_take_turns_and_their_lock_is_forgotten() {
+        let locks = PassLocks::default();
+        let first = locks.lock("MetalMachine/ns/a").await;
+        let other = locks.lock("MetalMachine/ns/b").await;
+        assert_eq!(locks.len(), 2);
+        let mut second = std::pin::pin!(locks.lock("MetalMachine/ns/a"));
+        assert!(
+            futures::poll!(second.as_mut()).is_pending(),
+            "a second pass over a waits"
+        );
+        drop(first);
+        assert_eq!(locks.len(), 2, "a is still awaited, so remembered");
+        let second = second.await;
+        drop(second);
+        drop(other);
+        assert!(
+            locks.is_empty(),
+            "nothing holds or awaits a lock: all forgotten"
+        );
     }
 
     /// A host wakes waiting machines when it becomes claimable, not on every change while it
