@@ -233,6 +233,7 @@ impl ManagerArgs {
             None => crate::boot::netns::NetNamespace::current(),
         };
         Ok(crate::manager::ManagerOptions {
+            api_requests_in_flight: self.api_requests_in_flight,
             boot_netns,
             dhcp: (self.dhcp != DhcpMode::Off).then(|| crate::manager::DhcpSettings {
                 full: match (self.dhcp, self.dhcp_range) {
@@ -451,13 +452,9 @@ pub async fn run() -> ExitCode {
 async fn dispatch(command: Command) -> Result<(), String> {
     match command {
         Command::Manager(args) => {
-            let conn = crate::kubeconn::connect(
-                args.kubeconfig.as_deref(),
-                &args.identity(),
-                args.api_requests_in_flight,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
+            let conn = crate::kubeconn::connect(args.kubeconfig.as_deref(), &args.identity())
+                .await
+                .map_err(|e| e.to_string())?;
             tracing::info!(server = %conn.server, source = %conn.source_desc, "connected to the management cluster");
             if args.check_connection {
                 return Ok(());

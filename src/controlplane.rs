@@ -452,8 +452,7 @@ pub async fn client_with_retries(
             .await
             .map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))?;
     config.default_retry = retries;
-    crate::kubeconn::client(config, crate::kubeconn::gate::DEFAULT_IN_FLIGHT)
-        .map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))
+    kube::Client::try_from(config).map_err(|e| ControlPlaneError::Kubeconfig(e.to_string()))
 }
 
 fn admin_kubeconfig(

@@ -8,14 +8,6 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 
 pub mod gate;
 
-/// A client for `config` whose ordinary requests are bounded to `in_flight` at once (see
-/// [`gate`]; 0: unbounded).
-pub fn client(config: kube::Config, in_flight: usize) -> Result<kube::Client, kube::Error> {
-    Ok(kube::client::ClientBuilder::try_from(config)?
-        .with_layer(&gate::RequestGate::new(in_flight))
-        .build())
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error("cannot load {source_desc}: {message}")]
@@ -55,12 +47,10 @@ pub fn user_agent(identity: &str) -> String {
 }
 
 /// Loads the config the way kubectl does (flag, `$KUBECONFIG`, `~/.kube/config`, in-cluster) and
-/// proves the apiserver answers. `identity` goes into the User-Agent; `in_flight` bounds the
-/// ordinary requests at once.
+/// proves the apiserver answers. `identity` goes into the User-Agent.
 pub async fn connect(
     kubeconfig: Option<&Path>,
     identity: &str,
-    in_flight: usize,
 ) -> Result<Connection, ConnectError> {
     let opts = KubeConfigOptions::default();
     let load = |source_desc: &str, e: &dyn std::fmt::Display| ConnectError::Load {
@@ -107,7 +97,7 @@ pub async fn connect(
         source_desc: source_desc.clone(),
         message,
     };
-    let client = client(config, in_flight).map_err(|e| unreachable(e.to_string()))?;
+    let client = kube::Client::try_from(config).map_err(|e| unreachable(e.to_string()))?;
     match tokio::time::timeout(Duration::from_secs(15), client.apiserver_version()).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return Err(unreachable(one_line(&e))),

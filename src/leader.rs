@@ -129,19 +129,24 @@ impl tower::Service<Request<Body>> for FencedService {
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        if is_mutating(request.method()) && !self.fence.is_open() {
-            self.fence
-                .refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let refused = Fenced {
-                method: request.method().clone(),
-                path: request.uri().path().to_string(),
-            };
-            tracing::error!(error = %refused, "write fenced");
-            return Box::pin(async move { Err(refused.into()) });
-        }
-        let inner = self.inner.clone();
-        Box::pin(async move { inner.send(request).await.map_err(Into::into) })
+        let (inner, fence) = (self.inner.clone(), self.fence.clone());
+        // Checked when the future is first polled: that is when the request leaves the
+        // manager's queue (`kubeconn::gate`), so a write that waited there is not let through
+        // on a check made before the wait.
+        Box::pin(async move {
+            if is_mutating(request.method()) && !fence.is_open() {
+                fence
+                    .refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let refused = Fenced {
+                    method: request.method().clone(),
+                    path: request.uri().path().to_string(),
+                };
+                tracing::error!(error = %refused, "write fenced");
+                return Err(refused.into());
+            }
+            inner.send(request).await.map_err(Into::into)
+        })
     }
 }
 

@@ -80,6 +80,8 @@ pub struct ManagerOptions {
     pub boot_netns: NetNamespace,
     /// The proxyDHCP service (None: the site's DHCP server is configured by hand).
     pub dhcp: Option<DhcpSettings>,
+    /// Ordinary apiserver requests in flight at once (see `kubeconn::gate`; 0: no bound).
+    pub api_requests_in_flight: usize,
 }
 
 /// How the proxyDHCP service runs.
@@ -133,6 +135,7 @@ impl Default for ManagerOptions {
             http_limits: Default::default(),
             boot_netns: NetNamespace::current(),
             dhcp: None,
+            api_requests_in_flight: crate::kubeconn::gate::DEFAULT_IN_FLIGHT,
         }
     }
 }
@@ -191,6 +194,8 @@ pub struct HeldCounts {
     pub host_power_readings: usize,
     pub machine_power_requests: usize,
     pub machine_power_ons: usize,
+    /// Machines with a pass holding or awaiting their turn (none at rest).
+    pub machine_pass_locks: usize,
 }
 
 impl Held {
@@ -200,6 +205,7 @@ impl Held {
             host_power_readings: self.hosts.power_readings.len(),
             machine_power_requests: self.machines.power_requests.len(),
             machine_power_ons: self.machines.power_ons.len(),
+            machine_pass_locks: self.machines.pass_locks.len(),
         }
     }
 }
@@ -234,6 +240,9 @@ impl Drop for RunningManager {
         for task in self.tasks.iter().chain(&self.helpers) {
             task.abort();
         }
+        if let Some(held) = &self.held {
+            held.machines.lane.stop();
+        }
     }
 }
 
@@ -264,6 +273,9 @@ pub async fn start(
         Some(leadership) => leadership.fenced(client),
         None => client,
     };
+    // Outside the fence: a write waiting in the bound is checked when it leaves, not when it
+    // joined.
+    let client = crate::kubeconn::gate::gated(client, opts.api_requests_in_flight);
     let listener = opts
         .boot_netns
         .tcp_listener(opts.boot_http)

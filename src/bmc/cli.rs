@@ -149,10 +149,9 @@ async fn credentials(args: &BmcArgs) -> Result<Credentials, String> {
                 "--credentials-secret {reference:?}: expected namespace/name"
             ));
         };
-        let conn =
-            crate::kubeconn::connect(None, "bmc-cli", crate::kubeconn::gate::DEFAULT_IN_FLIGHT)
-                .await
-                .map_err(|e| e.to_string())?;
+        let conn = crate::kubeconn::connect(None, "bmc-cli")
+            .await
+            .map_err(|e| e.to_string())?;
         let api: kube::Api<k8s_openapi::api::core::v1::Secret> =
             kube::Api::namespaced(conn.client, ns);
         let secret = api

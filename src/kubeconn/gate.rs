@@ -12,13 +12,14 @@
 //! client-go bounds by rate (QPS/burst) and the apiserver by priority and fairness, which exempts
 //! `system:masters` clients, so neither orders the manager's own requests; tower's
 //! `ConcurrencyLimit` takes its permit in `poll_ready`, before the request (and so its lane) is
-//! known. Hence this small layer.
+//! known. Hence this small wrapper.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
+use kube::client::Body;
 use tokio::sync::Semaphore;
 
 tokio::task_local! {
@@ -41,35 +42,31 @@ pub fn is_urgent() -> bool {
 /// all its clients together). `--api-requests-in-flight` raises it for a larger apiserver.
 pub const DEFAULT_IN_FLIGHT: usize = 8;
 
-/// The layer: `in_flight` ordinary requests at once (0: no bound).
-#[derive(Clone)]
-pub struct RequestGate {
-    permits: Option<Arc<Semaphore>>,
-}
+/// A permit is held at most this long: a request hung on a dropped connection keeps its own
+/// caller waiting, not every other request behind the bound.
+const HOLD_AT_MOST: Duration = Duration::from_secs(30);
 
-impl RequestGate {
-    pub fn new(in_flight: usize) -> Self {
-        Self {
-            permits: (in_flight > 0).then(|| Arc::new(Semaphore::new(in_flight))),
-        }
+/// `client`, with at most `in_flight` ordinary requests at once (0: no bound). Applied by the
+/// manager around its leader fence, so a write is checked against the fence when it leaves
+/// the queue, not when it joins it.
+pub fn gated(client: kube::Client, in_flight: usize) -> kube::Client {
+    if in_flight == 0 {
+        return client;
     }
-}
-
-impl<S> tower::Layer<S> for RequestGate {
-    type Service = Gated<S>;
-
-    fn layer(&self, inner: S) -> Gated<S> {
+    let namespace = client.default_namespace().to_string();
+    kube::Client::new(
         Gated {
-            inner,
-            permits: self.permits.clone(),
-        }
-    }
+            inner: client,
+            permits: Arc::new(Semaphore::new(in_flight)),
+        },
+        namespace,
+    )
 }
 
 #[derive(Clone)]
-pub struct Gated<S> {
-    inner: S,
-    permits: Option<Arc<Semaphore>>,
+struct Gated {
+    inner: kube::Client,
+    permits: Arc<Semaphore>,
 }
 
 /// Requests that are never held: watches stay open for minutes, and a Lease renewal stuck
@@ -82,31 +79,35 @@ fn exempt<B>(request: &http::Request<B>) -> bool {
     watch || uri.path().starts_with("/apis/coordination.k8s.io/")
 }
 
-impl<S, B> tower::Service<http::Request<B>> for Gated<S>
-where
-    S: tower::Service<http::Request<B>>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+impl tower::Service<http::Request<Body>> for Gated {
+    type Response = http::Response<Body>;
+    type Error = tower::BoxError;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let permits = self.permits.clone().filter(|_| !exempt(&request));
-        // The inner future does nothing until polled; it is polled once the permit is held.
-        // kube's Buffer hands this future back to the requesting task, so `is_urgent` sees
-        // that task's lane.
-        let response = self.inner.call(request);
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let (inner, permits) = (self.inner.clone(), self.permits.clone());
+        let held = !exempt(&request);
+        // kube's Buffer hands this future back to the requesting task to poll, so `is_urgent`
+        // sees that task's lane.
         Box::pin(async move {
-            let _permit = match permits {
-                Some(permits) if !is_urgent() => permits.acquire_owned().await.ok(),
-                _ => None,
+            let permit = match held && !is_urgent() {
+                true => permits.acquire_owned().await.ok(),
+                false => None,
             };
-            response.await
+            let response = inner.send(request);
+            let Some(permit) = permit else {
+                return response.await.map_err(Into::into);
+            };
+            tokio::pin!(response);
+            tokio::select! {
+                answered = &mut response => return answered.map_err(Into::into),
+                () = tokio::time::sleep(HOLD_AT_MOST) => drop(permit),
+            }
+            response.await.map_err(Into::into)
         })
     }
 }
@@ -114,10 +115,11 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::Pin;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tower::{Layer, Service, ServiceExt};
 
-    /// A service that counts requests in flight and finishes each when told.
+    /// An apiserver stand-in for the wrapper alone: counts requests in flight and answers each
+    /// when told.
     #[derive(Clone, Default)]
     struct Counting {
         now: Arc<AtomicUsize>,
@@ -125,29 +127,33 @@ mod tests {
         release: Arc<tokio::sync::Notify>,
     }
 
-    impl Service<http::Request<()>> for Counting {
-        type Response = String;
+    impl tower::Service<http::Request<Body>> for Counting {
+        type Response = http::Response<String>;
         type Error = std::convert::Infallible;
-        type Future = Pin<Box<dyn Future<Output = Result<String, Self::Error>> + Send>>;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
         fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
             Poll::Ready(Ok(()))
         }
 
-        fn call(&mut self, request: http::Request<()>) -> Self::Future {
+        fn call(&mut self, request: http::Request<Body>) -> Self::Future {
             let (now, peak, release) = (self.now.clone(), self.peak.clone(), self.release.clone());
             Box::pin(async move {
                 let n = now.fetch_add(1, Ordering::SeqCst) + 1;
                 peak.fetch_max(n, Ordering::SeqCst);
                 release.notified().await;
                 now.fetch_sub(1, Ordering::SeqCst);
-                Ok(request.uri().to_string())
+                Ok(http::Response::new(request.uri().to_string()))
             })
         }
     }
 
-    fn get(path: &str) -> http::Request<()> {
-        http::Request::get(path).body(()).unwrap_or_default()
+    fn get(path: &str) -> http::Request<Body> {
+        let mut request = http::Request::new(Body::from(Vec::new()));
+        if let Ok(uri) = path.parse() {
+            *request.uri_mut() = uri;
+        }
+        request
     }
 
     async fn until(what: impl Fn() -> bool) {
@@ -159,13 +165,16 @@ mod tests {
     #[tokio::test]
     async fn ordinary_requests_wait_and_urgent_watch_and_lease_ones_do_not() {
         let backend = Counting::default();
-        let gated = RequestGate::new(2).layer(backend.clone());
+        let client = gated(kube::Client::new(backend.clone(), "default"), 2);
+        let send = |path: String| {
+            let client = client.clone();
+            async move { client.send(get(&path)).await }
+        };
         let mut calls = Vec::new();
         for i in 0..5 {
-            let svc = gated.clone();
-            calls.push(tokio::spawn(
-                svc.oneshot(get(&format!("/api/v1/namespaces/ns/secrets/s{i}"))),
-            ));
+            calls.push(tokio::spawn(send(format!(
+                "/api/v1/namespaces/ns/secrets/s{i}"
+            ))));
         }
         let in_flight = || backend.now.load(Ordering::SeqCst);
         until(|| in_flight() == 2).await;
@@ -174,37 +183,26 @@ mod tests {
         }
         assert_eq!(in_flight(), 2, "three ordinary requests wait for a permit");
 
-        let urgent_call = tokio::spawn(urgent(gated.clone().oneshot(get(
-            "/apis/metalboot.io/v1alpha1/namespaces/ns/metalmachines/m",
-        ))));
-        let watch = tokio::spawn(
-            gated
-                .clone()
-                .oneshot(get("/api/v1/secrets?watch=true&resourceVersion=1")),
-        );
-        let lease = tokio::spawn(
-            gated
-                .clone()
-                .oneshot(get("/apis/coordination.k8s.io/v1/namespaces/ns/leases/l")),
-        );
+        let urgent_call = tokio::spawn(urgent(send(
+            "/apis/metalboot.io/v1alpha1/namespaces/ns/metalmachines/m".into(),
+        )));
+        let watch = tokio::spawn(send("/api/v1/secrets?watch=true&resourceVersion=1".into()));
+        let lease = tokio::spawn(send(
+            "/apis/coordination.k8s.io/v1/namespaces/ns/leases/l".into(),
+        ));
         // Were they held too, this would wait forever: fail instead.
-        let past_the_gate = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            until(|| in_flight() == 5),
-        );
+        let past_the_gate =
+            tokio::time::timeout(Duration::from_secs(10), until(|| in_flight() == 5));
         assert!(past_the_gate.await.is_ok(), "urgent, watch and lease pass");
 
         // Finish everything: each release lets waiting requests in until all are done.
-        let all = async {
-            for call in calls.into_iter().chain([urgent_call, watch, lease]) {
-                while !call.is_finished() {
-                    backend.release.notify_waiters();
-                    tokio::task::yield_now().await;
-                }
-                assert!(matches!(call.await, Ok(Ok(_))));
+        for call in calls.into_iter().chain([urgent_call, watch, lease]) {
+            while !call.is_finished() {
+                backend.release.notify_waiters();
+                tokio::task::yield_now().await;
             }
-        };
-        all.await;
+            assert!(matches!(call.await, Ok(Ok(_))));
+        }
         assert_eq!(
             backend.peak.load(Ordering::SeqCst),
             5,
@@ -215,9 +213,12 @@ mod tests {
     #[tokio::test]
     async fn zero_means_no_bound() {
         let backend = Counting::default();
-        let gated = RequestGate::new(0).layer(backend.clone());
+        let client = gated(kube::Client::new(backend.clone(), "default"), 0);
         let calls: Vec<_> = (0..10)
-            .map(|i| tokio::spawn(gated.clone().oneshot(get(&format!("/api/v1/x{i}")))))
+            .map(|i| {
+                let client = client.clone();
+                tokio::spawn(async move { client.send(get(&format!("/api/v1/x{i}"))).await })
+            })
             .collect();
         until(|| backend.now.load(Ordering::SeqCst) == 10).await;
         for call in calls {

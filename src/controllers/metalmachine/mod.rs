@@ -177,13 +177,28 @@ impl Drop for PassTurn<'_> {
     }
 }
 
-/// Bounds the callback lane: past this many passes at once, a callback waits for the controller.
+/// The callback lane's bound and stop: past `CALLBACK_LANE_PASSES` passes at once a callback
+/// waits for the controller, and a stopped manager's lane passes end with it.
 #[derive(Clone)]
-pub struct CallbackLane(Arc<tokio::sync::Semaphore>);
+pub struct CallbackLane {
+    permits: Arc<tokio::sync::Semaphore>,
+    stop: tokio_util::sync::CancellationToken,
+}
 
 impl Default for CallbackLane {
     fn default() -> Self {
-        Self(Arc::new(tokio::sync::Semaphore::new(CALLBACK_LANE_PASSES)))
+        Self {
+            permits: Arc::new(tokio::sync::Semaphore::new(CALLBACK_LANE_PASSES)),
+            stop: Default::default(),
+        }
+    }
+}
+
+impl CallbackLane {
+    /// Ends the passes running and refuses new ones (the manager is stopping).
+    pub fn stop(&self) {
+        self.stop.cancel();
+        self.permits.close();
     }
 }
 
@@ -191,32 +206,36 @@ const CALLBACK_LANE_PASSES: usize = 64;
 
 /// A host's callback is acted on at once, outside the controller's queue. Under a burst the
 /// controller's runner is full and a woken machine waits among hundreds in no particular order
-/// (38 s p99 at N=1000); here its pass starts when the callback is recorded, in the urgent lane
-/// of the apiserver requests. The controller still gets the notice and passes again after.
+/// (38 s p99 at N=1000); here its pass starts when the callback is recorded. The controller
+/// still gets the notice and passes again after.
 pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
-    let Ok(permit) = ctx.lane.0.clone().try_acquire_owned() else {
+    let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
         return;
     };
-    let Some(mm) = ctx
-        .stores
-        .metal_machines
-        .get(&ObjectRef::new(&notice.metal_machine).within(&notice.namespace))
-    else {
-        return;
-    };
-    if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
-        return;
-    }
+    let machine = ObjectRef::new(&notice.metal_machine).within(&notice.namespace);
     let ctx = ctx.clone();
     tokio::spawn(async move {
         let _permit = permit;
-        let object = super::key(mm.as_ref());
-        let _turn = ctx.pass_locks.lock(&object).await;
-        let result =
-            crate::kubeconn::gate::urgent(super::instrumented(CONTROLLER, object, pass(mm, &ctx)))
-                .await;
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
+        let stop = ctx.lane.stop.clone();
+        let lane_pass = async {
+            let Some(mm) = ctx.stores.metal_machines.get(&machine) else {
+                return;
+            };
+            if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
+                return;
+            }
+            let object = super::key(mm.as_ref());
+            let _turn = ctx.pass_locks.lock(&object).await;
+            // The store's copy as of the turn, not of the notice.
+            let mm = ctx.stores.metal_machines.get(&machine).unwrap_or(mm);
+            let result = super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await;
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = lane_pass => {}
         }
     });
 }
@@ -271,12 +290,6 @@ fn with_fault(
     status
 }
 
-/// Passes that write no status. After `RemoveFinalizer` the object is going. After `Mint` the
-/// power-on pass follows at once and writes the status it leads to (hostRef and all): the
-/// "minting a token" status would be current for one round trip and cost the apiserver a status
-/// apply per machine for it. A power-on that fails still writes its fault with the full status;
-/// one that meets a conflict or an apiserver error leaves the Claiming status until a pass
-/// gets through.
 /// Seconds from the callback to this pass's ready status, and the boot and total phases.
 fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
     let BootObservation::Record(record) = &o.boot else {
@@ -304,6 +317,12 @@ fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
     }
 }
 
+/// Passes that write no status. After `RemoveFinalizer` the object is going. After `Mint` the
+/// power-on pass follows at once and writes the status it leads to (hostRef and all): the
+/// "minting a token" status would be current for one round trip and cost the apiserver a status
+/// apply per machine for it. A power-on that fails still writes its fault with the full status;
+/// one that meets a conflict or an apiserver error leaves the Claiming status until a pass
+/// gets through.
 fn leaves_status_to_next_pass(step: &decide::Step) -> bool {
     matches!(
         step,
@@ -320,6 +339,12 @@ async fn reconcile(
     }
     let object = super::key(mm.as_ref());
     let _turn = ctx.pass_locks.lock(&object).await;
+    // A callback-lane pass may have run while this one waited: decide from the store as of now.
+    let mm = ctx
+        .stores
+        .metal_machines
+        .get(&ObjectRef::from_obj(mm.as_ref()))
+        .unwrap_or(mm);
     super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await
 }
 
