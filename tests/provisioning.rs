@@ -127,10 +127,14 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         status.addresses
     );
     assert_eq!(condition(&mm, "Ready").map(|c| c.0), Some("True".into()));
-    assert_eq!(
-        lab.metal_host("host-0").await.status.and_then(|s| s.state),
-        Some(HostState::Provisioned)
-    );
+    // The host controller derives the host's state from its consumer's ready status, in its own
+    // pass after the MetalMachine's: the two writes are not ordered.
+    support::eventually("host-0 shown Provisioned", 60, || async {
+        (lab.metal_host("host-0").await.status.and_then(|s| s.state)
+            == Some(HostState::Provisioned))
+        .then_some(())
+    })
+    .await;
     assert_eq!(power_of(&bmc).await, Some(PowerState::On));
     // Live mode: the provisioning token dies in the write that arms the next boot's.
     support::eventually("token killed, next boot armed", 60, || async {
