@@ -109,3 +109,82 @@ pub fn failure(obj: &DynamicObject) -> Option<(String, String)> {
     (reason.is_some() || message.is_some())
         .then(|| (reason.unwrap_or_default(), message.unwrap_or_default()))
 }
+
+/// What the Machine controller keeps of a referenced object it watches: metadata (owners,
+/// labels, deletion) and the contract fields (`status`, `spec.providerID`,
+/// `spec.failureDomain`). A bootstrap config's spec (files, users, commands) as a JSON tree was
+/// the largest part of that store: 9.6 KB per CloudInitConfig at N=1,000 (heaptrack), against
+/// 4 KB for the same object typed.
+pub fn keep_contract_fields(obj: &mut DynamicObject) {
+    if let Some(annotations) = obj.metadata.annotations.as_mut() {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    let mut kept = serde_json::Map::new();
+    if let serde_json::Value::Object(data) = &mut obj.data {
+        if let Some(status) = data.remove("status") {
+            kept.insert("status".into(), status);
+        }
+        if let Some(serde_json::Value::Object(spec)) = data.get_mut("spec") {
+            let contract: serde_json::Map<_, _> = ["providerID", "failureDomain"]
+                .into_iter()
+                .filter_map(|field| spec.remove(field).map(|v| (field.to_string(), v)))
+                .collect();
+            if !contract.is_empty() {
+                kept.insert("spec".into(), contract.into());
+            }
+        }
+    }
+    obj.data = kept.into();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_watched_reference_keeps_what_the_contract_reads_and_drops_the_rest() {
+        let mut obj: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2",
+            "kind": "CloudInitConfig",
+            "metadata": {
+                "name": "c1", "namespace": "ns", "resourceVersion": "7",
+                "labels": {"cluster.x-k8s.io/cluster-name": "c"},
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{\"spec\":{}}",
+                    "note": "kept"
+                },
+                "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                    "name": "m1", "uid": "u1", "controller": true}]
+            },
+            "spec": {"files": [{"path": "/etc/x", "content": "x".repeat(4096)}],
+                     "providerID": "metalboot://ns/h/u", "failureDomain": "rack-a"},
+            "status": {"initialization": {"dataSecretCreated": true}, "dataSecretName": "c1",
+                       "failureReason": "R", "failureMessage": "M",
+                       "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]}
+        }))
+        .expect("object");
+        let before = (ready(&obj, "dataSecretCreated"), failure(&obj));
+        keep_contract_fields(&mut obj);
+        assert_eq!((ready(&obj, "dataSecretCreated"), failure(&obj)), before);
+        assert_eq!(obj.data["status"]["dataSecretName"], "c1");
+        assert_eq!(obj.data["status"]["addresses"][0]["address"], "10.0.0.1");
+        assert_eq!(obj.data["spec"]["providerID"], "metalboot://ns/h/u");
+        assert_eq!(obj.data["spec"]["failureDomain"], "rack-a");
+        assert!(obj.data["spec"].get("files").is_none(), "{:?}", obj.data);
+        let annotations = obj.metadata.annotations.clone().unwrap_or_default();
+        assert!(!annotations.contains_key("kubectl.kubernetes.io/last-applied-configuration"));
+        assert_eq!(annotations.get("note").map(String::as_str), Some("kept"));
+        assert_eq!(obj.metadata.owner_references.map(|o| o.len()), Some(1));
+        assert_eq!(obj.metadata.resource_version.as_deref(), Some("7"));
+
+        // A spec without contract fields leaves none; an object without status has none.
+        let mut bare: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "x/v1", "kind": "K", "metadata": {"name": "b"},
+            "spec": {"big": [1, 2, 3]}
+        }))
+        .expect("object");
+        keep_contract_fields(&mut bare);
+        assert_eq!(bare.data, serde_json::json!({}));
+        assert!(!ready(&bare, "provisioned"));
+    }
+}

@@ -127,7 +127,9 @@ impl Triggers {
             // its end (InitDone), so those wake their Machines then, from the store.
             let events = kube::runtime::reflector(
                 writer,
-                crate::stores::lean(watcher(api, watcher::Config::default())).default_backoff(),
+                crate::stores::lean(watcher(api, watcher::Config::default()))
+                    .modify(crate::controllers::refs::keep_contract_fields)
+                    .default_backoff(),
             );
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Secret};
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Secret};
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -31,6 +31,18 @@ impl Drop for Workload {
     fn drop(&mut self) {
         self.watch.abort();
     }
+}
+
+/// What a Machine's pass reads of its Node: metadata (the annotations, labels and name it
+/// syncs), spec (providerID, taints), and of the status only the conditions and nodeInfo. A
+/// real Node's status is mostly its image list (tens of entries with digests), volumes and
+/// resource lists: kilobytes per Node, times every Node of every workload cluster.
+pub fn keep_what_machines_read(node: &mut Node) {
+    node.status = node.status.take().map(|status| NodeStatus {
+        conditions: status.conditions,
+        node_info: status.node_info,
+        ..Default::default()
+    });
 }
 
 /// Called with every changed Node, so Machines wake when their Node appears or turns Ready.
@@ -147,7 +159,8 @@ impl Workloads {
             crate::stores::lean(watcher(
                 Api::<Node>::all(workload.clone()),
                 watcher::Config::default(),
-            )),
+            ))
+            .modify(keep_what_machines_read),
         )
         .default_backoff()
         .applied_objects();
@@ -187,5 +200,48 @@ impl Workloads {
             ));
         }
         Ok((workload, nodes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_node_keeps_what_a_machine_reads_and_drops_its_image_list() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n1", "annotations": {"a": "b"}, "labels": {"l": "v"}},
+            "spec": {"providerID": "metalboot://ns/h/u",
+                     "taints": [{"key": "node.cluster.x-k8s.io/uninitialized", "effect": "NoSchedule"}]},
+            "status": {
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "nodeInfo": {"architecture": "amd64", "bootID": "b", "containerRuntimeVersion": "c",
+                    "kernelVersion": "k", "kubeProxyVersion": "", "kubeletVersion": "v1.36.3",
+                    "machineID": "m", "operatingSystem": "linux", "osImage": "Debian", "systemUUID": "s"},
+                "images": [{"names": ["registry.k8s.io/pause@sha256:0123"], "sizeBytes": 1}],
+                "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+                "capacity": {"cpu": "2"}, "allocatable": {"cpu": "2"},
+                "volumesInUse": ["v"]
+            }
+        }))
+        .expect("node");
+        let mut kept = node.clone();
+        keep_what_machines_read(&mut kept);
+        assert_eq!(kept.metadata, node.metadata);
+        assert_eq!(kept.spec, node.spec);
+        let (status, was) = (
+            kept.status.clone().unwrap_or_default(),
+            node.status.clone().unwrap_or_default(),
+        );
+        assert_eq!(status.conditions, was.conditions);
+        assert_eq!(status.node_info, was.node_info);
+        assert!(status.images.is_none() && status.addresses.is_none());
+        assert!(status.capacity.is_none() && status.volumes_in_use.is_none());
+        assert!(
+            serde_json::to_vec(&kept)
+                .map(|v| v.len())
+                .unwrap_or(usize::MAX)
+                < serde_json::to_vec(&node).map(|v| v.len()).unwrap_or(0)
+        );
     }
 }

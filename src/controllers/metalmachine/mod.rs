@@ -224,12 +224,7 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
             if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
                 return;
             }
-            let object = super::key(mm.as_ref());
-            let _turn = ctx.pass_locks.lock(&object).await;
-            // The store's copy as of the turn, not of the notice.
-            let mm = ctx.stores.metal_machines.get(&machine).unwrap_or(mm);
-            let result = super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await;
-            if let Err(e) = result {
+            if let Err(e) = pass_in_turn(mm, &ctx).await {
                 tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
             }
         };
@@ -337,15 +332,23 @@ async fn reconcile(
     if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
+    pass_in_turn(mm, &ctx).await
+}
+
+/// A pass in the machine's turn (controller and callback lane alike), deciding from the store's
+/// copy as of the turn: the other path's pass may have run while this one waited.
+async fn pass_in_turn(
+    mm: Arc<MetalMachine>,
+    ctx: &MachineContext,
+) -> Result<Action, ReconcileError> {
     let object = super::key(mm.as_ref());
     let _turn = ctx.pass_locks.lock(&object).await;
-    // A callback-lane pass may have run while this one waited: decide from the store as of now.
     let mm = ctx
         .stores
         .metal_machines
         .get(&ObjectRef::from_obj(mm.as_ref()))
         .unwrap_or(mm);
-    super::instrumented(CONTROLLER, object, pass(mm, &ctx)).await
+    super::instrumented(CONTROLLER, object, pass(mm, ctx)).await
 }
 
 /// One pass: observe → decide → act → status. Public so a test can drive it over stores it holds
