@@ -16,7 +16,8 @@
 //!
 //! `SCALE_N=100,1000` picks the sizes (default 100,1000,10000); `SCALE_STEADY_SECONDS` the
 //! steady-state window (default 60); `SCALE_HEAPTRACK=<file>` records the manager's heap with
-//! heaptrack (attached once the manager starts).
+//! heaptrack (attached once the manager starts; heaptrack sees only glibc's malloc, so point
+//! `METALBOOT_BIN` at a `cargo build --release --no-default-features` binary, without jemalloc).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -134,6 +134,34 @@ pub fn lean<K: Resource + Send + 'static>(
     })
 }
 
+/// What is kept of a Secret watched for its metadata alone: name, version and labels, the
+/// annotations named in `annotations`, and the owners when `owners` (an owned-object watch maps
+/// a change to its owner through them). Every boot and bootstrap Secret passes through such a
+/// watch; their other annotations and fields were 2.5 KB per Secret at N=1,000 (heaptrack).
+pub fn slim_secret_meta(
+    secret: &mut kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Secret>,
+    annotations: &[&str],
+    owners: bool,
+) {
+    let meta = std::mem::take(&mut secret.metadata);
+    let kept_annotations: std::collections::BTreeMap<String, String> = meta
+        .annotations
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| annotations.contains(&k.as_str()))
+        .collect();
+    secret.metadata = kube::api::ObjectMeta {
+        name: meta.name,
+        namespace: meta.namespace,
+        resource_version: meta.resource_version,
+        uid: meta.uid,
+        labels: meta.labels,
+        annotations: (!kept_annotations.is_empty()).then_some(kept_annotations),
+        owner_references: meta.owner_references.filter(|_| owners),
+        ..Default::default()
+    };
+}
+
 /// `Controller::new` with a lean store: the controller's own watch of its kind, `managedFields`
 /// dropped (a Machine written by four field managers is 20 KB of them).
 pub fn lean_controller<K>(api: Api<K>, config: watcher::Config) -> kube::runtime::Controller<K>
@@ -295,5 +323,54 @@ mod tests {
         assert!(other.next().await.is_some(), "every subscriber gets them");
         assert!(store.get(&ObjectRef::new("b").within("ns")).is_none());
         assert!(store.get(&ObjectRef::new("c").within("ns")).is_some());
+    }
+
+    #[test]
+    fn a_secret_watched_for_metadata_keeps_only_what_its_readers_use() {
+        use k8s_openapi::api::core::v1::Secret;
+        let full: kube::core::PartialObjectMeta<Secret> =
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "PartialObjectMetadata",
+                "metadata": {
+                    "name": "m1-boot", "namespace": "ns", "resourceVersion": "9", "uid": "u",
+                    "creationTimestamp": "2026-11-27T00:00:00Z",
+                    "labels": {"metalboot.io/boot-token": "true"},
+                    "annotations": {"metalboot.io/host": "h1", "metalboot.io/provider-id": "p",
+                                    "metalboot.io/instance-id": "i"},
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "K", "name": "o", "uid": "ou"}]
+                }
+            }))
+            .expect("metadata");
+        let mut for_hosts = full.clone();
+        slim_secret_meta(&mut for_hosts, &["metalboot.io/host"], false);
+        let m = &for_hosts.metadata;
+        assert_eq!(
+            (
+                m.name.as_deref(),
+                m.namespace.as_deref(),
+                m.resource_version.as_deref()
+            ),
+            (Some("m1-boot"), Some("ns"), Some("9"))
+        );
+        assert_eq!(m.labels, full.metadata.labels);
+        assert_eq!(
+            m.annotations
+                .as_ref()
+                .map(|a| a.keys().cloned().collect::<Vec<_>>()),
+            Some(vec!["metalboot.io/host".to_string()])
+        );
+        assert!(m.owner_references.is_none() && m.creation_timestamp.is_none());
+        assert_eq!(
+            crate::boot::tokens::boot_secret_host(&for_hosts.metadata),
+            Some("h1")
+        );
+
+        let mut for_configs = full.clone();
+        slim_secret_meta(&mut for_configs, &[], true);
+        assert!(for_configs.metadata.annotations.is_none());
+        assert_eq!(
+            for_configs.metadata.owner_references,
+            full.metadata.owner_references
+        );
     }
 }

@@ -24,7 +24,7 @@ const KEY_CALLBACK: &str = "callback";
 const KEY_INSPECTION: &str = "inspection";
 /// The deploy agent's last report (JSON), written by the boot service.
 const KEY_DEPLOY: &str = "deploy";
-const ANN_HOST: &str = "metalboot.io/host";
+pub const ANN_HOST: &str = "metalboot.io/host";
 const ANN_PROVIDER_ID: &str = "metalboot.io/provider-id";
 const ANN_INSTANCE_ID: &str = "metalboot.io/instance-id";
 const ANN_ATTEMPT: &str = "metalboot.io/attempt";

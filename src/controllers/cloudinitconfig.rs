@@ -390,10 +390,11 @@ pub fn controller(
     let (store, writer) = reflector::store();
     let owned = reflector(
         writer,
-        crate::stores::lean(watcher(
+        watcher(
             secrets,
             watcher::Config::default().labels(CLUSTER_NAME_LABEL),
-        ))
+        )
+        .modify(|s| crate::stores::slim_secret_meta(s, &[], true))
         .default_backoff(),
     )
     .touched_objects();

@@ -739,7 +739,9 @@ pub fn controller(
     // kept in a store for the move label).
     let secret_changes = kube::runtime::reflector(
         secret_meta,
-        crate::stores::lean(watcher(secrets, watcher::Config::default())),
+        watcher(secrets, watcher::Config::default()).modify(|s| {
+            crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], false)
+        }),
     )
     .default_backoff()
     .touched_objects();
