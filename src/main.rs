@@ -1,6 +1,6 @@
 use std::process::ExitCode;
 
-#[cfg(all(feature = "jemalloc", not(target_env = "musl")))]
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -327,6 +327,7 @@ mod tests {
 
     #[test]
     fn a_secret_watched_for_metadata_keeps_only_what_its_readers_use() {
+        use crate::boot::tokens::ANN_HOST;
         use k8s_openapi::api::core::v1::Secret;
         let full: kube::core::PartialObjectMeta<Secret> =
             serde_json::from_value(serde_json::json!({
@@ -342,7 +343,7 @@ mod tests {
             }))
             .expect("metadata");
         let mut for_hosts = full.clone();
-        slim_secret_meta(&mut for_hosts, &["metalboot.io/host"], false);
+        slim_secret_meta(&mut for_hosts, &[ANN_HOST], false);
         let m = &for_hosts.metadata;
         assert_eq!(
             (
@@ -357,7 +358,7 @@ mod tests {
             m.annotations
                 .as_ref()
                 .map(|a| a.keys().cloned().collect::<Vec<_>>()),
-            Some(vec!["metalboot.io/host".to_string()])
+            Some(vec![ANN_HOST.to_string()])
         );
         assert!(m.owner_references.is_none() && m.creation_timestamp.is_none());
         assert_eq!(

@@ -13,7 +13,7 @@ mkdir -p "$out"
 command -v musl-gcc >/dev/null || { echo "deploy ramdisk: musl-gcc is required (make deps)" >&2; exit 1; }
 rustup target list --installed 2>/dev/null | grep -qx "$target" || rustup target add "$target"
 echo "deploy ramdisk: building metalboot for $target"
-CC_x86_64_unknown_linux_musl=musl-gcc "${CARGO:-cargo}" build --quiet --profile ramdisk --target "$target" --bin metalboot
+CC_x86_64_unknown_linux_musl=musl-gcc "${CARGO:-cargo}" build --quiet --profile ramdisk --no-default-features --target "$target" --bin metalboot
 agent="$root/target/$target/ramdisk/metalboot"
 
 kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | sed -n 's/.*Depends: \(linux-image-[0-9].*-amd64\)$/\1/p' | head -1)

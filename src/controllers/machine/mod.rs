@@ -154,8 +154,9 @@ impl Triggers {
         );
     }
 
-    /// A referenced object from the watch of its kind, if that watch has listed and holds it.
-    /// None otherwise (not watched yet, not listed yet, or absent): the caller then reads it.
+    /// A referenced object from the watch of its kind, if that watch has listed and holds it,
+    /// with only its metadata and contract fields (`refs::keep_contract_fields`). None otherwise
+    /// (not watched yet, not listed yet, or absent): the caller then reads it.
     pub fn cached(
         &self,
         group: &str,
@@ -275,8 +276,9 @@ pub struct MachineContext {
 }
 
 impl MachineContext {
-    /// A referenced object from the manager's own stores, as the dynamic object a GET returns.
-    /// None when it is not cached (another kind, or not seen yet): the caller then reads it.
+    /// A referenced object from the manager's own stores, as a dynamic object: whole for a
+    /// MetalMachine, only metadata and the contract fields for a watched kind. Read nothing else
+    /// from it. None when it is not cached (not seen yet): the caller then reads it.
     pub fn cached_reference(
         &self,
         r: &crate::api::common::ContractVersionedObjectReference,
