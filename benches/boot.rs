@@ -193,10 +193,7 @@ async fn main() {
             Api::namespaced(client.clone(), ns),
             watcher::Config::default(),
         ),
-        boot_secrets: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default().labels(tokens::BOOT_TOKEN_LABEL),
-        ),
+        boot_secrets: metalboot::stores::watch_boot_secrets(Api::namespaced(client.clone(), ns)),
     };
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     let state = Arc::new(

@@ -68,6 +68,16 @@ where
         self.run_on(lean(watcher(api, config)).default_backoff())
     }
 
+    /// [`SharedStore::run`], each object trimmed by `keep` before it is stored and passed on.
+    pub fn run_keeping(
+        self,
+        api: Api<K>,
+        config: watcher::Config,
+        keep: impl FnMut(&mut K) + Send + 'static,
+    ) -> Store<K> {
+        self.run_on(lean(watcher(api, config)).modify(keep).default_backoff())
+    }
+
     /// Fills the store from `events` (a watch) and sends the changes to the subscribers.
     pub fn run_on(
         self,
@@ -182,6 +192,23 @@ where
     SharedStore::new().run(api, config)
 }
 
+/// The watch of boot Secrets (by their label).
+fn boot_secrets() -> watcher::Config {
+    watcher::Config::default().labels(crate::boot::tokens::BOOT_TOKEN_LABEL)
+}
+
+fn boot_secret_in_store(secret: &mut k8s_openapi::api::core::v1::Secret) {
+    crate::boot::tokens::keep_in_store(secret);
+}
+
+/// The boot Secrets' store as the manager keeps it (no bootstrap data), for a boot service run
+/// without the manager (tests, `make bench`).
+pub fn watch_boot_secrets(
+    api: Api<k8s_openapi::api::core::v1::Secret>,
+) -> Store<k8s_openapi::api::core::v1::Secret> {
+    SharedStore::new().run_keeping(api, boot_secrets(), boot_secret_in_store)
+}
+
 /// Waits for `store`'s first full list. `Store::wait_until_ready` wakes only one waiter (it sits on
 /// a oneshot channel, and a controller's own applier waits on the same store), so a second waiter
 /// can sleep forever; re-polling on a short timeout makes a lost wakeup cost at most that long.
@@ -264,9 +291,10 @@ impl Reflectors {
         self.machines.run(api(&client, namespace), all());
         self.clusters.run(api(&client, namespace), all());
         self.metal_clusters.run(api(&client, namespace), all());
-        self.boot_secrets.run(
+        self.boot_secrets.run_keeping(
             api(&client, namespace),
-            all().labels(crate::boot::tokens::BOOT_TOKEN_LABEL),
+            boot_secrets(),
+            boot_secret_in_store,
         );
     }
 }

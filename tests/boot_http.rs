@@ -486,6 +486,18 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
     let stale =
         Arc::new(BootState::new(frozen_stores(), config(), client.clone(), tx).expect("state"));
     stale.wait_for_stores().await;
+    let user_data_request = || {
+        Request::get(format!("/nocloud/{}/user-data", record.token.expose()))
+            .body(Body::empty())
+            .expect("req")
+    };
+    let (status, body) = request(&stale, user_data_request(), Some("10.0.2.15")).await;
+    assert_eq!(status, StatusCode::OK, "{}", text(&body));
+    assert_eq!(
+        Some(body.as_slice()),
+        tokens::user_data(&attempt_1),
+        "served as the apiserver holds it"
+    );
     secrets
         .replace(
             &record.secret_name,
@@ -496,6 +508,10 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
         .expect("attempt 2");
     let (status, body) = request(&stale, callback(record.token.expose()), Some("10.0.2.15")).await;
     assert_eq!(status, StatusCode::CONFLICT, "{}", text(&body));
+    // The bootstrap data is read from the apiserver, not the stale store: attempt 1's token no
+    // longer gets it.
+    let (status, body) = request(&stale, user_data_request(), Some("10.0.2.15")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{}", text(&body));
     let attempt_2 =
         tokens::parse_boot_secret(&secrets.get(&record.secret_name).await.expect("get"))
             .expect("parse");

@@ -1054,6 +1054,48 @@ async fn authorize(
     }
 }
 
+/// How long a user-data request waits for the apiserver's copy of the boot Secret.
+const USER_DATA_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The bootstrap data of the attempt `record` authorized, read from the apiserver: the store
+/// keeps none (`tokens::keep_in_store`). Only an authorized request gets here, so this read costs
+/// one GET per boot, never one per unauthenticated request. A Secret renewed since the lookup
+/// holds another token: the request gets the answer an expired token gets.
+async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Vec<u8>, Response> {
+    let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
+    let unavailable = |what: String| {
+        tracing::warn!(route = "/nocloud", machine = %record.metal_machine, error = %what, "could not read the bootstrap data");
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "bootstrap data unavailable, retry\n".into(),
+        )
+    };
+    let secret =
+        match tokio::time::timeout(USER_DATA_READ_TIMEOUT, secrets.get_opt(&record.secret_name))
+            .await
+        {
+            Ok(Ok(Some(secret))) => secret,
+            Ok(Ok(None)) => {
+                return Err(text(
+                    StatusCode::NOT_FOUND,
+                    "unknown or expired token\n".into(),
+                ));
+            }
+            Ok(Err(e)) => return Err(unavailable(e.to_string())),
+            Err(_) => return Err(unavailable("the apiserver did not answer in time".into())),
+        };
+    let same_attempt = tokens::parse_boot_secret(&secret)
+        .is_ok_and(|current| current.token.matches(record.token.expose()));
+    if !same_attempt {
+        tracing::warn!(route = "/nocloud", machine = %record.metal_machine, "user-data of an attempt replaced since its token was looked up");
+        return Err(text(
+            StatusCode::NOT_FOUND,
+            "unknown or expired token\n".into(),
+        ));
+    }
+    Ok(tokens::user_data(&secret).unwrap_or_default().to_vec())
+}
+
 async fn nocloud_document(
     State(state): State<Arc<BootState>>,
     Path((token, document)): Path<(String, String)>,
@@ -1076,8 +1118,12 @@ async fn nocloud_document(
             Err(e) => internal_error("rendering meta-data failed", e),
         },
         "user-data" => {
+            let user_data = match read_user_data(&state, &record).await {
+                Ok(bytes) => bytes,
+                Err(response) => return response,
+            };
             // Byte for byte what the bootstrap provider wrote, whatever its format.
-            let mut response = (StatusCode::OK, Bytes::from(record.user_data)).into_response();
+            let mut response = (StatusCode::OK, Bytes::from(user_data)).into_response();
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/octet-stream"),

@@ -124,7 +124,6 @@ pub struct BootRecord {
     pub token: Token,
     pub provider_id: String,
     pub instance_id: String,
-    pub user_data: Vec<u8>,
     pub callback: Option<CallbackRecord>,
     /// What the deploy agent found on the host (image mode).
     pub inspection: Option<crate::api::metalhost::HardwareInventory>,
@@ -311,6 +310,66 @@ pub fn powered_patch(
     serde_json::json!({"metadata": {"annotations": annotations}})
 }
 
+/// What the boot Secrets' store keeps: everything but the bootstrap data, which is read from the
+/// apiserver when a host asks for it (`user_data`), once per boot. At N hosts the store would
+/// otherwise hold N copies of bootstrap data (5.9 KB each in the scale bench, tens of KB for a
+/// kubeadm control plane) that nothing but that one request reads.
+pub fn keep_in_store(secret: &mut Secret) {
+    if let Some(data) = secret.data.as_mut() {
+        data.remove(KEY_USER_DATA);
+    }
+}
+
+/// The bootstrap data snapshot of a boot Secret read from the apiserver (the store has none);
+/// None for a cleaning attempt, which has none.
+pub fn user_data(secret: &Secret) -> Option<&[u8]> {
+    secret
+        .data
+        .as_ref()?
+        .get(KEY_USER_DATA)
+        .map(|b| b.0.as_slice())
+}
+
+/// The merge patch that turns `before` into `after` (a `next_attempt` or `next_boot` of it):
+/// only the annotations and data keys that differ, conditioned on `before`'s resourceVersion so
+/// the old token dies atomically, as a replace would. Keys `before` lacks and `after` keeps
+/// (the bootstrap data the store drops) are left as they are on the server.
+pub fn renewal_patch(before: &Secret, after: &Secret) -> serde_json::Value {
+    use base64::Engine;
+    fn changes<V: PartialEq>(
+        before: Option<&BTreeMap<String, V>>,
+        after: Option<&BTreeMap<String, V>>,
+        encode: impl Fn(&V) -> serde_json::Value,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let empty = BTreeMap::new();
+        let (before, after) = (before.unwrap_or(&empty), after.unwrap_or(&empty));
+        let mut patch = serde_json::Map::new();
+        for (key, value) in after {
+            if before.get(key) != Some(value) {
+                patch.insert(key.clone(), encode(value));
+            }
+        }
+        for key in before.keys().filter(|k| !after.contains_key(*k)) {
+            patch.insert(key.clone(), serde_json::Value::Null);
+        }
+        patch
+    }
+    let annotations = changes(
+        before.metadata.annotations.as_ref(),
+        after.metadata.annotations.as_ref(),
+        |v: &String| serde_json::json!(v),
+    );
+    let data = changes(
+        before.data.as_ref(),
+        after.data.as_ref(),
+        |v: &ByteString| serde_json::json!(base64::engine::general_purpose::STANDARD.encode(&v.0)),
+    );
+    crate::controllers::conditioned(
+        serde_json::json!({"metadata": {"annotations": annotations}, "data": data}),
+        before.metadata.resource_version.as_deref(),
+    )
+}
+
 /// The same boot Secret for the next attempt: a fresh token, attempt + 1, not yet powered, no
 /// callback. Replacing it (with its resourceVersion) kills the old token atomically.
 pub fn next_attempt(secret: &Secret) -> Secret {
@@ -387,7 +446,8 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
             .cloned()
             .ok_or_else(|| BootSecretError::Missing(name.clone(), key))
     };
-    let data = secret.data.clone().unwrap_or_default();
+    let empty = BTreeMap::new();
+    let data = secret.data.as_ref().unwrap_or(&empty);
     let token = data
         .get(KEY_TOKEN)
         .ok_or_else(|| BootSecretError::Missing(name.clone(), KEY_TOKEN))
@@ -432,10 +492,6 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
             .map_err(|_| BootSecretError::Invalid(name.clone(), ANN_ATTEMPT))?,
         provider_id: annotation(ANN_PROVIDER_ID)?,
         instance_id: annotation(ANN_INSTANCE_ID)?,
-        user_data: data
-            .get(KEY_USER_DATA)
-            .map(|b| b.0.clone())
-            .unwrap_or_default(),
         token: Token(token),
         callback,
         powered_at: ann.get(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
@@ -499,7 +555,7 @@ mod tests {
         assert_eq!(record.host, "h1");
         assert_eq!(record.attempt, 2);
         assert_eq!(record.instance_id, "uid-1-2");
-        assert_eq!(record.user_data, b"#!/bin/sh\n\x00\xff");
+        assert_eq!(user_data(&attempt()), Some(&b"#!/bin/sh\n\x00\xff"[..]));
         assert_eq!(record.token.expose().len(), 64);
         assert!(record.callback.is_none());
     }
@@ -552,11 +608,12 @@ mod tests {
         });
         let before = parse_boot_secret(&first).expect("parse");
         assert!(before.powered_at.is_some() && before.callback.is_some());
-        let after = parse_boot_secret(&next_attempt(&first)).expect("parse");
+        let next = next_attempt(&first);
+        let after = parse_boot_secret(&next).expect("parse");
         assert_eq!(after.attempt, 3);
         assert_ne!(after.token, before.token);
         assert!(after.powered_at.is_none() && after.callback.is_none());
-        assert_eq!(after.user_data, before.user_data);
+        assert_eq!(user_data(&next), user_data(&first));
         assert_eq!(after.instance_id, "uid-1-3");
     }
 
@@ -577,8 +634,8 @@ mod tests {
         assert_ne!(armed.token, before.token);
         assert!(armed.callback.is_none() && armed.powered_at.is_none());
         assert_eq!(
-            (armed.attempt, &armed.instance_id, &armed.user_data),
-            (before.attempt, &before.instance_id, &before.user_data)
+            (armed.attempt, &armed.instance_id, user_data(&first)),
+            (before.attempt, &before.instance_id, user_data(&provisioned))
         );
         let second = parse_boot_secret(&next_boot(&first)).expect("parse");
         assert_eq!(second.reboot, Some(2));
@@ -594,6 +651,79 @@ mod tests {
             parse_boot_secret(&garbled),
             Err(BootSecretError::Invalid("m1-boot".into(), ANN_BOOT))
         );
+    }
+
+    /// RFC 7386 merge, as the apiserver applies a merge patch (test only).
+    fn merged(mut target: serde_json::Value, patch: &serde_json::Value) -> serde_json::Value {
+        if let (Some(t), Some(p)) = (target.as_object_mut(), patch.as_object()) {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    let next = merged(t.remove(k).unwrap_or(serde_json::Value::Null), v);
+                    t.insert(k.clone(), next);
+                }
+            }
+            return target;
+        }
+        patch.clone()
+    }
+
+    /// The store holds boot Secrets without their bootstrap data; the renewal written from that
+    /// copy gives the server's copy what `next_attempt`/`next_boot` of the whole Secret gives,
+    /// bootstrap data untouched, and only for the version it was decided from.
+    #[test]
+    fn a_renewal_from_the_stores_copy_keeps_the_bootstrap_data_on_the_server() {
+        let mut on_server = attempt();
+        on_server.metadata.resource_version = Some("7".into());
+        on_server
+            .metadata
+            .annotations
+            .as_mut()
+            .map(|a| a.insert(ANN_POWERED_AT.into(), "2026-01-01T00:00:00Z".into()));
+        on_server.data.as_mut().map(|d| {
+            d.insert(
+                KEY_CALLBACK.into(),
+                ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
+            )
+        });
+        let mut in_store = on_server.clone();
+        keep_in_store(&mut in_store);
+        assert_eq!(
+            user_data(&in_store),
+            None,
+            "the store drops the bootstrap data"
+        );
+        assert_eq!(
+            parse_boot_secret(&in_store).map(|r| r.token),
+            parse_boot_secret(&on_server).map(|r| r.token),
+            "the store's copy still authorizes"
+        );
+        for renew in [next_attempt, next_boot] {
+            let next = renew(&in_store);
+            let patch = renewal_patch(&in_store, &next);
+            assert_eq!(patch["metadata"]["resourceVersion"], "7");
+            assert!(patch["data"].get(KEY_USER_DATA).is_none(), "{patch}");
+            let server = serde_json::to_value(&on_server).expect("json");
+            let written: Secret = serde_json::from_value(merged(server, &patch)).expect("a Secret");
+            let mut expected = renew(&on_server);
+            // The token is fresh on each call: compare it as written.
+            expected.data.as_mut().map(|d| {
+                d.insert(
+                    KEY_TOKEN.into(),
+                    ByteString(
+                        parse_boot_secret(&next)
+                            .expect("parse")
+                            .token
+                            .expose()
+                            .into(),
+                    ),
+                )
+            });
+            expected.metadata.resource_version = Some("7".into());
+            assert_eq!(written, expected);
+            assert_eq!(user_data(&written), user_data(&on_server));
+        }
     }
 
     #[test]

@@ -166,10 +166,7 @@ pub async fn boot_state_with(
             Api::namespaced(client.clone(), ns),
             watcher::Config::default(),
         ),
-        boot_secrets: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default().labels(tokens::BOOT_TOKEN_LABEL),
-        ),
+        boot_secrets: metalboot::stores::watch_boot_secrets(Api::namespaced(client.clone(), ns)),
     };
     for ready in [
         stores.hosts.wait_until_ready().await.is_ok(),

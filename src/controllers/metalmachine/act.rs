@@ -365,17 +365,18 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             else {
                 return Err(ActError::Conflict("boot Secret gone".into()));
             };
-            // Replace carries the resourceVersion: the old token dies with the old version.
-            let next = tokens::next_attempt(&secret);
-            let written = secrets
-                .replace(&boot_name, &PostParams::default(), &next)
-                .await
-                .map_err(write_error(format!("Secret {boot_name}")))?;
-            ctx.expectations.wrote(
-                boot_key,
+            // Conditioned on the resourceVersion: the old token dies with the old version.
+            let patch = tokens::renewal_patch(&secret, &tokens::next_attempt(&secret));
+            patch_from(
+                ctx,
+                mm,
+                &secrets,
+                &boot_name,
                 secret.resource_version(),
-                written.resource_version(),
-            );
+                patch,
+                "next attempt",
+            )
+            .await?;
             Ok(Acted::default())
         }
         Step::RecordProvisioned {
@@ -454,44 +455,35 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 .stores
                 .boot_secrets
                 .get(&ObjectRef::new(&boot_name).within(&namespace));
-            // Replace carries the resourceVersion: the last boot's token dies with it.
-            let written = match &current {
-                Some(secret) => {
-                    secrets
-                        .replace(
-                            &boot_name,
-                            &PostParams::default(),
-                            &tokens::next_boot(secret),
-                        )
-                        .await
-                }
-                None => {
-                    let user_data = bootstrap_data(ctx, o, &namespace).await?;
-                    let owner = mm.controller_owner_ref(&()).ok_or_else(|| {
-                        ActError::Api(ReconcileError::Invalid("MetalMachine has no UID".into()))
-                    })?;
-                    let provider_id = mm.spec.provider_id.clone().unwrap_or_default();
-                    let fresh = tokens::new_boot_secret(&NewAttempt {
-                        namespace: &namespace,
-                        metal_machine: &name,
-                        owner,
-                        cluster_name: mm.labels().get(CLUSTER_NAME_LABEL).map(String::as_str),
-                        host,
-                        attempt: 1,
-                        provider_id: &provider_id,
-                        user_data: &user_data,
-                    });
-                    secrets
-                        .create(&PostParams::default(), &tokens::next_boot(&fresh))
-                        .await
-                }
+            // Conditioned on the resourceVersion: the last boot's token dies with it.
+            if let Some(secret) = &current {
+                let patch = tokens::renewal_patch(secret, &tokens::next_boot(secret));
+                let replaced = secret.resource_version();
+                patch_from(ctx, mm, &secrets, &boot_name, replaced, patch, "next boot").await?;
+                return Ok(Acted::default());
             }
-            .map_err(write_error(format!("Secret {boot_name}")))?;
-            ctx.expectations.wrote(
-                boot_key,
-                current.and_then(|s| s.resource_version()),
-                written.resource_version(),
-            );
+            // Gone (deleted by hand): a fresh Secret for the same boot, from the bootstrap data.
+            let user_data = bootstrap_data(ctx, o, &namespace).await?;
+            let owner = mm.controller_owner_ref(&()).ok_or_else(|| {
+                ActError::Api(ReconcileError::Invalid("MetalMachine has no UID".into()))
+            })?;
+            let provider_id = mm.spec.provider_id.clone().unwrap_or_default();
+            let fresh = tokens::new_boot_secret(&NewAttempt {
+                namespace: &namespace,
+                metal_machine: &name,
+                owner,
+                cluster_name: mm.labels().get(CLUSTER_NAME_LABEL).map(String::as_str),
+                host,
+                attempt: 1,
+                provider_id: &provider_id,
+                user_data: &user_data,
+            });
+            let written = secrets
+                .create(&PostParams::default(), &tokens::next_boot(&fresh))
+                .await
+                .map_err(write_error(format!("Secret {boot_name}")))?;
+            ctx.expectations
+                .wrote(boot_key, None, written.resource_version());
             Ok(Acted::default())
         }
         Step::BootFromDisk { host } => {

@@ -1350,7 +1350,6 @@ mod tests {
             token: Token::mint(),
             provider_id: "metalboot://ns/h1/mm-uid".into(),
             instance_id: "mm-uid-1".into(),
-            user_data: vec![],
             callback: called_back.then(|| CallbackRecord {
                 hostname: Some("node-1".into()),
                 addresses: vec![
