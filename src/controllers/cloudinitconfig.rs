@@ -232,15 +232,12 @@ async fn reconcile(
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let now = conditions::now();
     let mut status = status;
+    // A miss in the store is not confirmed by a GET: the create answers 409 when the Secret
+    // exists (a lagging store), and that costs no more than the GET did on every first pass.
     let written = ctx
         .secrets
         .get(&ObjectRef::new(&name).within(&ns))
-        .is_some()
-        || secrets
-            .get_opt(&name)
-            .await
-            .map_err(ReconcileError::read(format!("Secret {name}")))?
-            .is_some();
+        .is_some();
     if !written {
         let mut resolved = BTreeMap::new();
         let mut problem = None;
@@ -271,6 +268,21 @@ async fn reconcile(
             Some(p) => Err(p),
             None => render(&cfg.spec, &resolved),
         };
+        // The spec is to blame only if the Secret was never written: a store that lags may miss
+        // one rendered before a referenced Secret went away.
+        let rendered = match rendered {
+            Err(message)
+                if secrets
+                    .get_opt(&name)
+                    .await
+                    .map_err(ReconcileError::read(format!("Secret {name}")))?
+                    .is_none() =>
+            {
+                Err(message)
+            }
+            Err(_) => Ok(None),
+            Ok(d) => Ok(Some(d)),
+        };
         let data = match rendered {
             Ok(d) => d,
             Err(message) => {
@@ -299,37 +311,39 @@ async fn reconcile(
                 });
             }
         };
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some(ns.clone()),
-                labels: Some(BTreeMap::from([(
-                    CLUSTER_NAME_LABEL.to_string(),
-                    cluster_name.clone(),
-                )])),
-                owner_references: cfg.controller_owner_ref(&()).map(|o| vec![o]),
+        if let Some(data) = data {
+            let secret = Secret {
+                metadata: ObjectMeta {
+                    name: Some(name.clone()),
+                    namespace: Some(ns.clone()),
+                    labels: Some(BTreeMap::from([(
+                        CLUSTER_NAME_LABEL.to_string(),
+                        cluster_name.clone(),
+                    )])),
+                    owner_references: cfg.controller_owner_ref(&()).map(|o| vec![o]),
+                    ..Default::default()
+                },
+                type_: Some(SECRET_TYPE.into()),
+                data: Some(BTreeMap::from([
+                    ("value".to_string(), ByteString(data.into_bytes())),
+                    ("format".to_string(), ByteString(b"cloud-config".to_vec())),
+                ])),
                 ..Default::default()
-            },
-            type_: Some(SECRET_TYPE.into()),
-            data: Some(BTreeMap::from([
-                ("value".to_string(), ByteString(data.into_bytes())),
-                ("format".to_string(), ByteString(b"cloud-config".to_vec())),
-            ])),
-            ..Default::default()
-        };
-        match secrets.create(&PostParams::default(), &secret).await {
-            Ok(_) => {
-                ctx.events
-                    .publish(
-                        cfg.as_ref(),
-                        false,
-                        "BootstrapDataCreated",
-                        format!("Secret {name} written"),
-                    )
-                    .await
+            };
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {
+                    ctx.events
+                        .publish(
+                            cfg.as_ref(),
+                            false,
+                            "BootstrapDataCreated",
+                            format!("Secret {name} written"),
+                        )
+                        .await
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(ReconcileError::write(format!("Secret {name}"))(e)),
             }
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(ReconcileError::write(format!("Secret {name}"))(e)),
         }
     }
     // 6–8. Status.
