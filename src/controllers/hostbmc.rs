@@ -138,26 +138,83 @@ pub async fn connect(
 /// How long a credentials or CA Secret read is reused. Every BMC operation needs the
 /// credentials, and a GET per operation was a third of the apiserver's reads at a thousand
 /// hosts. A changed Secret is forgotten as soon as the MetalHost controller's Secret watch sees
-/// it (`forget_secret`); the time limit is the backstop.
-const SECRET_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+/// it (`forget_secret`), and a read that a change overtook is not kept (`SecretCache`), so this
+/// limit is only the backstop for a watch that was down.
+const SECRET_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
-type SecretCache = std::sync::Mutex<
-    std::collections::HashMap<(String, String), (Option<Secret>, std::time::Instant)>,
->;
+type SecretKey = (String, String);
 
-fn secret_cache() -> &'static SecretCache {
-    static CACHE: std::sync::OnceLock<SecretCache> = std::sync::OnceLock::new();
+/// Credentials and CA Secrets read for BMC operations, keyed by namespace and name.
+#[derive(Default)]
+struct SecretCache {
+    entries: std::collections::HashMap<SecretKey, (Secret, std::time::Instant)>,
+    /// Reads in flight per Secret, and whether the watch saw it change since the first began:
+    /// such a read may predate the change, so it is used once and not kept.
+    reading: std::collections::HashMap<SecretKey, (usize, bool)>,
+    last_swept: Option<std::time::Instant>,
+}
+
+impl SecretCache {
+    fn get(&self, key: &SecretKey) -> Option<Secret> {
+        self.entries
+            .get(key)
+            .filter(|(_, at)| at.elapsed() < SECRET_TTL)
+            .map(|(secret, _)| secret.clone())
+    }
+
+    fn begin_read(&mut self, key: &SecretKey) {
+        self.reading.entry(key.clone()).or_insert((0, false)).0 += 1;
+    }
+
+    fn changed(&mut self, key: &SecretKey) {
+        self.entries.remove(key);
+        if let Some((_, changed)) = self.reading.get_mut(key) {
+            *changed = true;
+        }
+    }
+
+    /// Ends a read; keeps what it found unless the Secret changed while it was in flight (a
+    /// missing Secret is never kept: it is read again next time).
+    fn finish_read(&mut self, key: SecretKey, found: Option<&Secret>) {
+        let overtaken = match self.reading.get_mut(&key) {
+            Some((readers, changed)) => {
+                *readers = readers.saturating_sub(1);
+                let overtaken = *changed;
+                if *readers == 0 {
+                    self.reading.remove(&key);
+                }
+                overtaken
+            }
+            None => true,
+        };
+        // Bounded by the Secrets hosts name; expired entries are swept at most once a minute.
+        let now = std::time::Instant::now();
+        if self
+            .last_swept
+            .is_none_or(|at| at.elapsed() > std::time::Duration::from_secs(60))
+        {
+            self.entries.retain(|_, (_, at)| at.elapsed() < SECRET_TTL);
+            self.last_swept = Some(now);
+        }
+        if let (false, Some(secret)) = (overtaken, found) {
+            self.entries.insert(key, (secret.clone(), now));
+        }
+    }
+}
+
+fn secret_cache() -> &'static std::sync::Mutex<SecretCache> {
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<SecretCache>> = std::sync::OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
 /// The Secret changed (or went): the next BMC operation reads it again.
 pub fn forget_secret(namespace: &str, name: &str) {
     if let Ok(mut c) = secret_cache().lock() {
-        c.remove(&(namespace.to_string(), name.to_string()));
+        c.changed(&(namespace.to_string(), name.to_string()));
     }
 }
 
-/// A Secret, from a read at most `SECRET_TTL` old (a missing one is read again every time).
+/// A Secret, from the cache while the watch has not seen it change, else read.
 async fn secret_cached(
     secrets: &Api<Secret>,
     namespace: &str,
@@ -165,19 +222,17 @@ async fn secret_cached(
 ) -> Result<Option<Secret>, kube::Error> {
     let cache = secret_cache();
     let key = (namespace.to_string(), name.to_string());
-    if let Ok(c) = cache.lock()
-        && let Some((Some(secret), at)) = c.get(&key)
-        && at.elapsed() < SECRET_TTL
-    {
-        return Ok(Some(secret.clone()));
-    }
-    let fresh = secrets.get_opt(name).await?;
     if let Ok(mut c) = cache.lock() {
-        // Bounded by the Secrets hosts name; stale entries are dropped as they are passed.
-        c.retain(|_, (_, at)| at.elapsed() < SECRET_TTL);
-        c.insert(key, (fresh.clone(), std::time::Instant::now()));
+        if let Some(secret) = c.get(&key) {
+            return Ok(Some(secret));
+        }
+        c.begin_read(&key);
     }
-    Ok(fresh)
+    let fresh = secrets.get_opt(name).await;
+    if let Ok(mut c) = cache.lock() {
+        c.finish_read(key, fresh.as_ref().ok().and_then(Option::as_ref));
+    }
+    fresh
 }
 
 /// Reads the host's credentials (and CA) Secrets.
@@ -237,4 +292,57 @@ pub async fn load_target(
             .unwrap_or(false),
         fingerprint,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(version: &str) -> Secret {
+        Secret {
+            metadata: kube::api::ObjectMeta {
+                name: Some("bmc".into()),
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn version(cache: &SecretCache, key: &SecretKey) -> Option<String> {
+        cache.get(key).and_then(|s| s.metadata.resource_version)
+    }
+
+    /// A read is kept until the watch sees the Secret change; a read that a change overtook
+    /// (the password was rotated while the GET was in flight) is used once and not kept.
+    #[test]
+    fn a_read_overtaken_by_a_change_is_not_kept() {
+        let key: SecretKey = ("ns".into(), "bmc".into());
+        let mut cache = SecretCache::default();
+
+        cache.begin_read(&key);
+        cache.finish_read(key.clone(), Some(&secret("1")));
+        assert_eq!(version(&cache, &key), Some("1".into()), "kept");
+
+        cache.changed(&key);
+        assert_eq!(version(&cache, &key), None, "a change forgets it");
+
+        cache.begin_read(&key);
+        cache.changed(&key);
+        cache.finish_read(key.clone(), Some(&secret("1")));
+        assert_eq!(version(&cache, &key), None, "overtaken: not kept");
+        assert!(cache.reading.is_empty(), "no read left in flight");
+
+        cache.begin_read(&key);
+        cache.finish_read(key.clone(), None);
+        assert_eq!(
+            version(&cache, &key),
+            None,
+            "a missing Secret is read again"
+        );
+
+        cache.begin_read(&key);
+        cache.finish_read(key.clone(), Some(&secret("2")));
+        assert_eq!(version(&cache, &key), Some("2".into()));
+    }
 }
