@@ -491,7 +491,13 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
             .body(Body::empty())
             .expect("req")
     };
-    let (status, body) = request(&stale, user_data_request(), Some("10.0.2.15")).await;
+    // Served to attempt 1 by a state of its own: a state keeps what it read per token for a few
+    // seconds (`UserDataMemo`), and `stale` must read after the renewal.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let current =
+        Arc::new(BootState::new(frozen_stores(), config(), client.clone(), tx).expect("state"));
+    current.wait_for_stores().await;
+    let (status, body) = request(&current, user_data_request(), Some("10.0.2.15")).await;
     assert_eq!(status, StatusCode::OK, "{}", text(&body));
     assert_eq!(
         Some(body.as_slice()),

@@ -129,6 +129,32 @@ pub struct BootState {
     addresses: Mutex<HashMap<IpAddr, String>>,
     /// When each host reached its last boot milestone (for `metalboot_boot_hop_seconds`).
     hops: Mutex<HashMap<String, std::time::Instant>>,
+    /// Bootstrap data read from the apiserver lately, per token (`UserDataMemo`).
+    user_data: Mutex<UserDataMemo>,
+}
+
+/// How long bootstrap data read for a token answers that token's repeats without a read.
+const USER_DATA_MEMO_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+/// How many tokens' bootstrap data are kept at once (a few MB at most).
+const USER_DATA_MEMO_ENTRIES: usize = 64;
+
+/// The bootstrap data last read per token: a host that asks again (cloud-init retrying, a token
+/// holder looping) costs at most one apiserver read per token per [`USER_DATA_MEMO_TTL`].
+#[derive(Default)]
+struct UserDataMemo(HashMap<u64, (std::time::Instant, Bytes)>);
+
+impl UserDataMemo {
+    fn get(&mut self, token: u64) -> Option<Bytes> {
+        self.0
+            .retain(|_, (at, _)| at.elapsed() < USER_DATA_MEMO_TTL);
+        self.0.get(&token).map(|(_, bytes)| bytes.clone())
+    }
+
+    fn keep(&mut self, token: u64, bytes: Bytes) {
+        if self.0.len() < USER_DATA_MEMO_ENTRIES {
+            self.0.insert(token, (std::time::Instant::now(), bytes));
+        }
+    }
 }
 
 /// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
@@ -296,6 +322,7 @@ impl BootState {
             events: tokio::sync::broadcast::channel(256).0,
             addresses: Mutex::new(HashMap::new()),
             hops: Mutex::new(HashMap::new()),
+            user_data: Mutex::default(),
         })
     }
 
@@ -807,7 +834,9 @@ pub fn redact_path(path: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{EventLimiter, redact_path};
+    use super::{
+        Bytes, EventLimiter, USER_DATA_MEMO_ENTRIES, USER_DATA_MEMO_TTL, UserDataMemo, redact_path,
+    };
 
     #[test]
     fn request_events_are_rate_limited_per_machine_and_reason() {
@@ -829,6 +858,27 @@ mod tests {
             limiter.0.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= super::EVENT_KEYS,
             "bounded under a flood of keys"
         );
+    }
+
+    /// A token's bootstrap data answers its repeats for a few seconds; the memo is bounded.
+    #[test]
+    fn the_user_data_memo_answers_repeats_and_stays_bounded() {
+        let mut memo = UserDataMemo::default();
+        memo.keep(1, Bytes::from_static(b"data"));
+        assert_eq!(memo.get(1), Some(Bytes::from_static(b"data")));
+        assert_eq!(memo.get(2), None);
+        for token in 0..(USER_DATA_MEMO_ENTRIES as u64 * 2) {
+            memo.keep(token, Bytes::from_static(b"x"));
+        }
+        assert_eq!(memo.0.len(), USER_DATA_MEMO_ENTRIES);
+        memo.0.insert(
+            7,
+            (
+                std::time::Instant::now() - USER_DATA_MEMO_TTL,
+                Bytes::from_static(b"old"),
+            ),
+        );
+        assert_eq!(memo.get(7), None, "expired");
     }
 
     #[test]
@@ -1058,10 +1108,17 @@ async fn authorize(
 const USER_DATA_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The bootstrap data of the attempt `record` authorized, read from the apiserver: the store
-/// keeps none (`tokens::keep_in_store`). Only an authorized request gets here, so this read costs
-/// one GET per boot, never one per unauthenticated request. A Secret renewed since the lookup
-/// holds another token: the request gets the answer an expired token gets.
-async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Vec<u8>, Response> {
+/// keeps none (`tokens::keep_in_store`). Only a request whose token was found current gets here,
+/// and repeats of one token within [`USER_DATA_MEMO_TTL`] are answered from the memo, so the
+/// apiserver sees at most one read per token per TTL, never one per unauthenticated request.
+/// The read skips the manager's queue of apiserver requests, as a callback's write does: a host
+/// booting in a storm must not time out waiting behind the controllers. A Secret renewed since
+/// the lookup holds another token: the request gets the answer an expired token gets.
+async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Bytes, Response> {
+    let token = token_hash(record.token.expose());
+    if let Some(bytes) = state.user_data.lock().ok().and_then(|mut m| m.get(token)) {
+        return Ok(bytes);
+    }
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
     let unavailable = |what: String| {
         tracing::warn!(route = "/nocloud", machine = %record.metal_machine, error = %what, "could not read the bootstrap data");
@@ -1070,20 +1127,21 @@ async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Vec<u8
             "bootstrap data unavailable, retry\n".into(),
         )
     };
-    let secret =
-        match tokio::time::timeout(USER_DATA_READ_TIMEOUT, secrets.get_opt(&record.secret_name))
-            .await
-        {
-            Ok(Ok(Some(secret))) => secret,
-            Ok(Ok(None)) => {
-                return Err(text(
-                    StatusCode::NOT_FOUND,
-                    "unknown or expired token\n".into(),
-                ));
-            }
-            Ok(Err(e)) => return Err(unavailable(e.to_string())),
-            Err(_) => return Err(unavailable("the apiserver did not answer in time".into())),
-        };
+    let read = crate::kubeconn::gate::urgent(tokio::time::timeout(
+        USER_DATA_READ_TIMEOUT,
+        secrets.get_opt(&record.secret_name),
+    ));
+    let secret = match read.await {
+        Ok(Ok(Some(secret))) => secret,
+        Ok(Ok(None)) => {
+            return Err(text(
+                StatusCode::NOT_FOUND,
+                "unknown or expired token\n".into(),
+            ));
+        }
+        Ok(Err(e)) => return Err(unavailable(e.to_string())),
+        Err(_) => return Err(unavailable("the apiserver did not answer in time".into())),
+    };
     let same_attempt = tokens::parse_boot_secret(&secret)
         .is_ok_and(|current| current.token.matches(record.token.expose()));
     if !same_attempt {
@@ -1093,7 +1151,11 @@ async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Vec<u8
             "unknown or expired token\n".into(),
         ));
     }
-    Ok(tokens::user_data(&secret).unwrap_or_default().to_vec())
+    let bytes = Bytes::from(tokens::user_data(&secret).unwrap_or_default().to_vec());
+    if let Ok(mut memo) = state.user_data.lock() {
+        memo.keep(token, bytes.clone());
+    }
+    Ok(bytes)
 }
 
 async fn nocloud_document(
@@ -1104,6 +1166,14 @@ async fn nocloud_document(
     let (record, _machine) = match authorize(&state, &token, ip, "/nocloud").await {
         Ok(found) => found,
         Err(response) => return response,
+    };
+    // Read before the milestone is recorded: a failed read is not the host reaching user-data.
+    let user_data = match document.as_str() {
+        "user-data" => match read_user_data(&state, &record).await {
+            Ok(bytes) => Some(bytes),
+            Err(response) => return response,
+        },
+        _ => None,
     };
     tracing::info!(route = "/nocloud", document = %document, machine = %record.metal_machine, host = %record.host, attempt = record.attempt, client = ?ip, "NoCloud document");
     state.publish(BootEvent::NoCloud {
@@ -1118,12 +1188,8 @@ async fn nocloud_document(
             Err(e) => internal_error("rendering meta-data failed", e),
         },
         "user-data" => {
-            let user_data = match read_user_data(&state, &record).await {
-                Ok(bytes) => bytes,
-                Err(response) => return response,
-            };
             // Byte for byte what the bootstrap provider wrote, whatever its format.
-            let mut response = (StatusCode::OK, Bytes::from(user_data)).into_response();
+            let mut response = (StatusCode::OK, user_data.unwrap_or_default()).into_response();
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/octet-stream"),

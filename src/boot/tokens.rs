@@ -371,7 +371,8 @@ pub fn renewal_patch(before: &Secret, after: &Secret) -> serde_json::Value {
 }
 
 /// The same boot Secret for the next attempt: a fresh token, attempt + 1, not yet powered, no
-/// callback. Replacing it (with its resourceVersion) kills the old token atomically.
+/// callback. Written as a `renewal_patch` conditioned on its resourceVersion, which kills the
+/// old token atomically.
 pub fn next_attempt(secret: &Secret) -> Secret {
     let mut next = secret.clone();
     let attempt = next
@@ -418,8 +419,8 @@ fn renew(secret: &mut Secret) {
 }
 
 /// The same boot Secret armed for the next network boot of a provisioned live-mode machine: a
-/// fresh token (the one its last boot used dies with the replace, which carries the
-/// resourceVersion), the boot count + 1, no callback, not powered. Attempt, instance-id and the
+/// fresh token (the one its last boot used dies with the write, a `renewal_patch` conditioned
+/// on the resourceVersion), the boot count + 1, no callback, not powered. Attempt, instance-id and the
 /// bootstrap data snapshot stay: it is the same machine coming back, not a new attempt.
 pub fn next_boot(secret: &Secret) -> Secret {
     let mut next = secret.clone();

@@ -233,7 +233,8 @@ async fn reconcile(
     let now = conditions::now();
     let mut status = status;
     // A miss in the store is not confirmed by a GET: the create answers 409 when the Secret
-    // exists (a lagging store), and that costs no more than the GET did on every first pass.
+    // exists (a lagging store). Until the store's first list, every Secret would be a miss.
+    crate::stores::until_ready(&ctx.secrets).await;
     let written = ctx
         .secrets
         .get(&ObjectRef::new(&name).within(&ns))
@@ -399,8 +400,8 @@ pub fn controller(
     };
     // A deleted bootstrap Secret is recreated under the same name. Only metadata is watched:
     // the store answers "does it exist", and the Secrets' data (kubeconfigs, keys) stays out of
-    // this process. A miss in the store is confirmed by a GET, so a store that lags (a re-list
-    // reaches it only at its end) costs a read, never a wrong create.
+    // this process. Passes wait for its first list; after that a miss in a lagging store costs
+    // a create answered 409, never a second Secret or an overwrite.
     let (store, writer) = reflector::store();
     let owned = reflector(
         writer,

@@ -222,17 +222,33 @@ async fn secret_cached(
 ) -> Result<Option<Secret>, kube::Error> {
     let cache = secret_cache();
     let key = (namespace.to_string(), name.to_string());
+    let mut reading = None;
     if let Ok(mut c) = cache.lock() {
         if let Some(secret) = c.get(&key) {
             return Ok(Some(secret));
         }
         c.begin_read(&key);
+        reading = Some(Reading(Some(key)));
     }
     let fresh = secrets.get_opt(name).await;
-    if let Ok(mut c) = cache.lock() {
+    if let (Some(mut reading), Ok(mut c)) = (reading, cache.lock())
+        && let Some(key) = reading.0.take()
+    {
         c.finish_read(key, fresh.as_ref().ok().and_then(Option::as_ref));
     }
     fresh
+}
+
+/// A read in flight: ended (kept nothing) if the pass is dropped before the read returns, so a
+/// cancelled read never leaves its Secret marked as being read.
+struct Reading(Option<SecretKey>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        if let (Some(key), Ok(mut c)) = (self.0.take(), secret_cache().lock()) {
+            c.finish_read(key, None);
+        }
+    }
 }
 
 /// Reads the host's credentials (and CA) Secrets.
