@@ -197,16 +197,12 @@ fn boot_secrets() -> watcher::Config {
     watcher::Config::default().labels(crate::boot::tokens::BOOT_TOKEN_LABEL)
 }
 
-fn boot_secret_in_store(secret: &mut k8s_openapi::api::core::v1::Secret) {
-    crate::boot::tokens::keep_in_store(secret);
-}
-
 /// The boot Secrets' store as the manager keeps it (no bootstrap data), for a boot service run
 /// without the manager (tests, `make bench`).
 pub fn watch_boot_secrets(
     api: Api<k8s_openapi::api::core::v1::Secret>,
 ) -> Store<k8s_openapi::api::core::v1::Secret> {
-    SharedStore::new().run_keeping(api, boot_secrets(), boot_secret_in_store)
+    SharedStore::new().run_keeping(api, boot_secrets(), crate::boot::tokens::keep_in_store)
 }
 
 /// Waits for `store`'s first full list. `Store::wait_until_ready` wakes only one waiter (it sits on
@@ -294,7 +290,7 @@ impl Reflectors {
         self.boot_secrets.run_keeping(
             api(&client, namespace),
             boot_secrets(),
-            boot_secret_in_store,
+            crate::boot::tokens::keep_in_store,
         );
     }
 }
