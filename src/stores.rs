@@ -24,6 +24,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
+mod index;
+pub use index::{Index, KeysOf};
+
 /// What a controller subscribed to a shared store receives: each object as a watch event applied
 /// it (and every object again after each full list), as `Controller::for_shared_stream` and its
 /// `watches_shared_stream`/`owns_shared_stream` take them. Deletions are not sent.
@@ -38,6 +41,7 @@ where
     pub store: Store<K>,
     writer: Writer<K>,
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Arc<K>>>>,
+    index: Option<Index<K>>,
 }
 
 impl<K> SharedStore<K>
@@ -50,6 +54,15 @@ where
             store,
             writer,
             subscribers: Mutex::default(),
+            index: None,
+        }
+    }
+
+    /// A store whose watch also keeps `index` (a clone of it) of its objects.
+    pub fn indexed(index: Index<K>) -> Self {
+        Self {
+            index: Some(index),
+            ..Self::new()
         }
     }
 
@@ -86,13 +99,17 @@ where
         let store = self.store.clone();
         let mut writer = self.writer;
         let mut subscribers = self.subscribers.into_inner().unwrap_or_default();
+        let index = self.index;
         let stream = events;
         tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
                     Ok(event) => {
-                        writer.apply_watcher_event(&event);
+                        match &index {
+                            Some(index) => index.apply(&mut writer, &store, &event),
+                            None => writer.apply_watcher_event(&event),
+                        }
                         fan_out(&store, &event, &mut subscribers);
                     }
                     Err(e) => {
@@ -237,6 +254,8 @@ pub struct Reflectors {
     pub clusters: SharedStore<kube::core::DeserializeGuard<crate::api::Cluster>>,
     pub metal_clusters: SharedStore<crate::api::MetalCluster>,
     pub boot_secrets: SharedStore<k8s_openapi::api::core::v1::Secret>,
+    host_index: Index<crate::api::MetalHost>,
+    metal_machine_index: Index<crate::api::MetalMachine>,
 }
 
 impl Default for Reflectors {
@@ -247,13 +266,17 @@ impl Default for Reflectors {
 
 impl Reflectors {
     pub fn new() -> Self {
+        let host_index = Index::new(crate::controllers::metalmachine::claim::host_index_keys);
+        let metal_machine_index = Index::new(crate::controllers::metalmachine::waiting_index_keys);
         Reflectors {
-            hosts: SharedStore::new(),
-            metal_machines: SharedStore::new(),
+            hosts: SharedStore::indexed(host_index.clone()),
+            metal_machines: SharedStore::indexed(metal_machine_index.clone()),
             machines: SharedStore::new(),
             clusters: SharedStore::new(),
             metal_clusters: SharedStore::new(),
             boot_secrets: SharedStore::new(),
+            host_index,
+            metal_machine_index,
         }
     }
 
@@ -266,6 +289,8 @@ impl Reflectors {
             clusters: self.clusters.store.clone(),
             metal_clusters: self.metal_clusters.store.clone(),
             boot_secrets: self.boot_secrets.store.clone(),
+            host_index: self.host_index.clone(),
+            metal_machine_index: self.metal_machine_index.clone(),
         }
     }
 

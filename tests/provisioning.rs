@@ -753,6 +753,12 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     fill(&mut clusters_w, listed(&lab).await);
     fill(&mut metal_clusters_w, listed(&lab).await);
     fill(&mut boot_secrets_w, vec![held_secret.clone()]);
+    let host_index =
+        metalboot::stores::Index::new(metalboot::controllers::metalmachine::claim::host_index_keys);
+    host_index.rebuild(&hosts);
+    let metal_machine_index =
+        metalboot::stores::Index::new(metalboot::controllers::metalmachine::waiting_index_keys);
+    metal_machine_index.rebuild(&metal_machines);
     let stores = SharedStores {
         hosts,
         metal_machines,
@@ -760,6 +766,8 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         clusters,
         metal_clusters,
         boot_secrets,
+        host_index,
+        metal_machine_index,
     };
     let context = |expectations: Expectations| MachineContext {
         client: lab.ns.client.clone(),

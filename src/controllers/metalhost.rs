@@ -734,7 +734,7 @@ pub fn controller(
         None => Api::all(client.clone()),
     };
     let store = stores.hosts.clone();
-    let claimed = stores.hosts.clone();
+    let claimed = stores.host_index.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
     // kept in a store for the move label).
     let secret_changes = kube::runtime::reflector(
@@ -761,32 +761,24 @@ pub fn controller(
         })
         .watches_shared_stream(machines, move |mm: Arc<MetalMachine>| {
             let namespace = mm.namespace().unwrap_or_default();
-            // The machine names its host in status once it has one; only a machine without
-            // that (claiming, or restored without status) costs a scan of the hosts.
-            if let Some(host) = mm.status.as_ref().and_then(|s| s.host_ref.as_ref()) {
-                return vec![ObjectRef::new(&host.name).within(&namespace)];
-            }
+            // The machine names its host in status once it has one; a machine without that
+            // (claiming, or restored without status) finds its hosts in the index by consumer.
             // A machine still claiming changes nothing a host derives its state from (the
-            // claim is the host's own write, which wakes it): at 10,000 machines, scanning the
-            // hosts for each of their early changes was 10,000 × 10,000 comparisons.
-            // One that has no status yet may be new to the store, which changes its host's
-            // consumer from missing to found: that costs one scan per machine.
+            // claim is the host's own write, which wakes it), so it wakes none. One that has no
+            // status yet may be new to the store, which changes its host's consumer from missing
+            // to found.
             if mm.metadata.deletion_timestamp.is_none()
                 && mm.spec.provider_id.is_none()
                 && mm.status.is_some()
             {
                 return Vec::new();
             }
-            let name = mm.name_any();
             claimed
-                .state()
+                .get(&crate::controllers::metalmachine::claim::consumer_key(
+                    &namespace,
+                    &mm.name_any(),
+                ))
                 .into_iter()
-                .filter(|h| {
-                    h.spec
-                        .consumer_ref
-                        .as_ref()
-                        .is_some_and(|c| c.is_metal_machine(&namespace, &name))
-                })
                 .map(|h| ObjectRef::from_obj(h.as_ref()))
                 .collect::<Vec<_>>()
         })

@@ -42,6 +42,10 @@ pub struct SharedStores {
     pub metal_clusters: Store<MetalCluster>,
     /// Secrets labelled `metalboot.io/boot-token`.
     pub boot_secrets: Store<Secret>,
+    /// Hosts by consumer and free hosts by namespace (`metalmachine::claim::host_index_keys`).
+    pub host_index: crate::stores::Index<MetalHost>,
+    /// MetalMachines waiting for a free host (`metalmachine::waiting_index_keys`).
+    pub metal_machine_index: crate::stores::Index<MetalMachine>,
 }
 
 /// One controller's subscriptions to the shared watches.

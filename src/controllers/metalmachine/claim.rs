@@ -65,6 +65,33 @@ pub fn is_free(h: &MetalHost) -> bool {
         && !h.annotations().contains_key(HOST_PAUSED_ANNOTATION)
 }
 
+/// The host index key of the hosts the MetalMachine `namespace/name` claims.
+pub fn consumer_key(namespace: &str, name: &str) -> String {
+    format!("consumer/{namespace}/{name}")
+}
+
+/// The host index key of the free hosts of `namespace` ([`is_free`]).
+pub fn free_key(namespace: &str) -> String {
+    format!("free/{namespace}")
+}
+
+/// What the shared hosts' store indexes a host under: its MetalMachine consumer, and whether it
+/// is free. Observing a machine then costs the hosts it may use, not every host.
+pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
+    let namespace = h.metadata.namespace.as_deref().unwrap_or_default();
+    let mut keys = Vec::new();
+    if let Some(c) = &h.spec.consumer_ref
+        && c.kind == "MetalMachine"
+        && c.namespace == namespace
+    {
+        keys.push(consumer_key(&c.namespace, &c.name));
+    }
+    if is_free(h) {
+        keys.push(free_key(namespace));
+    }
+    keys
+}
+
 /// What a host must be for `mm` to claim it, read from the machine once per pass.
 struct Claimable<'a> {
     mm: &'a MetalMachine,
