@@ -60,9 +60,6 @@ pub struct Triggers {
     tx: mpsc::UnboundedSender<ObjectRef<Machine>>,
     kinds: Mutex<HashMap<(String, String), WatchedKind>>,
     by_provider_id: Mutex<HashMap<String, ObjectRef<Machine>>>,
-    /// The name of the Node last seen with each providerID (any workload cluster): a pass finds
-    /// its Node by name instead of comparing every Node's providerID.
-    node_names: Mutex<HashMap<String, String>>,
 }
 
 /// A kind watched on demand: the watch's task, and the store it keeps, which serves the
@@ -85,7 +82,6 @@ impl Triggers {
             tx,
             kinds: Mutex::default(),
             by_provider_id: Mutex::default(),
-            node_names: Mutex::default(),
         });
         (triggers, stream)
     }
@@ -188,11 +184,6 @@ impl Triggers {
         let Some(id) = node.spec.as_ref().and_then(|s| s.provider_id.as_deref()) else {
             return;
         };
-        if let (Ok(mut names), Some(name)) = (self.node_names.lock(), node.metadata.name.as_ref())
-            && names.get(id) != Some(name)
-        {
-            names.insert(id.to_string(), name.clone());
-        }
         if let Ok(ids) = self.by_provider_id.lock()
             && let Some(machine) = ids.get(id)
         {
@@ -202,43 +193,20 @@ impl Triggers {
 
     /// Drops what was kept for a Machine that is gone.
     pub fn forget_machine(&self, m: &Machine) {
-        let (Ok(mut ids), Ok(mut names)) = (self.by_provider_id.lock(), self.node_names.lock())
-        else {
+        let Ok(mut ids) = self.by_provider_id.lock() else {
             return;
         };
         match &m.spec.provider_id {
             Some(id) => {
                 ids.remove(id);
-                names.remove(id);
             }
             // Deleted before its providerID was copied: the infrastructure's may have been
             // looked for already. Rare, so the scan is affordable here.
             None => {
                 let machine = ObjectRef::from_obj(m);
-                ids.retain(|id, r| {
-                    let mine = *r == machine;
-                    if mine {
-                        names.remove(id);
-                    }
-                    !mine
-                });
+                ids.retain(|_, r| *r != machine);
             }
         }
-    }
-
-    /// The Node with `provider_id` in `nodes`: by the name last seen with it, else by a scan.
-    pub fn node_with(&self, nodes: &Store<Node>, provider_id: &str) -> Option<Arc<Node>> {
-        let has_id =
-            |n: &Node| n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(provider_id);
-        let named = self
-            .node_names
-            .lock()
-            .ok()
-            .and_then(|names| names.get(provider_id).cloned());
-        named
-            .and_then(|name| nodes.get(&ObjectRef::new(&name)))
-            .filter(|n| has_id(n))
-            .or_else(|| nodes.find(|n| has_id(n)))
     }
 
     pub fn tracked_provider_ids(&self) -> usize {

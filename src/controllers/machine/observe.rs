@@ -215,10 +215,10 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
                     reason: reason.into(),
                     message,
                 },
-                Ok((_, nodes)) => ctx
-                    .triggers
-                    .node_with(&nodes, &provider_id)
-                    .map(|n| node_view(&n, &m))
+                Ok((_, nodes)) => nodes
+                    .get(&provider_id)
+                    .first()
+                    .map(|n| node_view(n, &m))
                     .unwrap_or(NodeView::Missing { provider_id }),
             }
         }
