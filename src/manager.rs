@@ -562,7 +562,7 @@ async fn start_infrastructure(
         crate::controllers::Subscriptions::new(reflectors),
         callbacks,
     );
-    let cluster_controller =
+    let (cluster_controller, host_meta) =
         metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
     let control_plane_controller = existingcontrolplane::controller(
         client.clone(),
@@ -577,7 +577,7 @@ async fn start_infrastructure(
     });
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
-        hosts: stores.hosts.clone(),
+        hosts: host_meta,
         clusters: stores.clusters.clone(),
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),

@@ -29,7 +29,7 @@ pub const MANAGED_BY_LABEL: &str = "cluster.x-k8s.io/managed-by";
 /// The status a MetalCluster should have, from its spec and the hosts in its namespace.
 pub fn desired_status(
     mc: &MetalCluster,
-    hosts: &[Arc<MetalHost>],
+    hosts: &[Arc<PartialObjectMeta<MetalHost>>],
     paused: bool,
     now: &Time,
 ) -> MetalClusterStatus {
@@ -101,7 +101,9 @@ pub fn desired_status(
 
 pub struct ClusterContext {
     pub client: kube::Client,
-    pub hosts: Store<MetalHost>,
+    /// The hosts' metadata (labels name the failure domains), from the watch that wakes this
+    /// controller on a label change: a pass it wakes reads what woke it.
+    pub hosts: Store<PartialObjectMeta<MetalHost>>,
     /// The manager's shared Cluster store (the same watch that wakes this controller).
     pub clusters: Store<DeserializeGuard<Cluster>>,
     pub backoff: Backoff,
@@ -155,41 +157,73 @@ fn owned_by_cluster(mc: &MetalCluster, cluster: &str) -> bool {
 /// The hosts' watch, passing on a host only when it is new, deleted, or its labels changed. Each
 /// host changes about ten times per provisioning (claims, power, status); each of those read every
 /// host of the namespace again for the failure domains, which at 10,000 hosts kept a core busy.
+/// A host deleted while the watch was down is missing from the re-list that follows: it is passed
+/// on at the list's end as a stand-in naming only its namespace.
 fn host_label_changes(
     events: impl futures::Stream<
         Item = Result<watcher::Event<PartialObjectMeta<MetalHost>>, watcher::Error>,
     > + Send,
 ) -> impl futures::Stream<Item = Result<PartialObjectMeta<MetalHost>, watcher::Error>> + Send {
+    use kube::core::PartialObjectMetaExt;
     use std::hash::{Hash, Hasher};
     let mut labels_of: HashMap<(String, String), u64> = HashMap::new();
+    let mut listed: Option<std::collections::HashSet<(String, String)>> = None;
     let place =
         |h: &PartialObjectMeta<MetalHost>| (h.namespace().unwrap_or_default(), h.name_any());
     events.flat_map(move |event| {
-        let changed = match event {
-            Err(e) => Some(Err(e)),
+        let mut changed = Vec::new();
+        match event {
+            Err(e) => changed.push(Err(e)),
             Ok(watcher::Event::Apply(h) | watcher::Event::InitApply(h)) => {
                 let mut hasher = std::collections::hash_map::DefaultHasher::new();
                 h.metadata.labels.hash(&mut hasher);
                 let labels = hasher.finish();
-                (labels_of.insert(place(&h), labels) != Some(labels)).then_some(Ok(h))
+                if let Some(listed) = &mut listed {
+                    listed.insert(place(&h));
+                }
+                if labels_of.insert(place(&h), labels) != Some(labels) {
+                    changed.push(Ok(h));
+                }
             }
             Ok(watcher::Event::Delete(h)) => {
                 labels_of.remove(&place(&h));
-                Some(Ok(h))
+                changed.push(Ok(h));
             }
-            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
-        };
+            Ok(watcher::Event::Init) => listed = Some(Default::default()),
+            Ok(watcher::Event::InitDone) => {
+                let listed = listed.take().unwrap_or_default();
+                let mut gone_from: BTreeSet<String> = BTreeSet::new();
+                labels_of.retain(|(namespace, name), _| {
+                    let kept = listed.contains(&(namespace.clone(), name.clone()));
+                    if !kept {
+                        gone_from.insert(namespace.clone());
+                    }
+                    kept
+                });
+                changed.extend(gone_from.into_iter().map(|namespace| {
+                    Ok(kube::api::ObjectMeta {
+                        namespace: Some(namespace),
+                        ..Default::default()
+                    }
+                    .into_request_partial::<MetalHost>())
+                }));
+            }
+        }
         futures::stream::iter(changed)
     })
 }
 
 /// `clusters` is the manager's shared Cluster stream: a Cluster change (un-pause after
 /// `clusterctl move`, a new owner) re-evaluates its MetalCluster at once, not at the resync.
+/// Returns the controller and the store of host metadata its passes read.
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     clusters_changes: crate::stores::Changes<DeserializeGuard<Cluster>>,
-) -> Controller<MetalCluster> {
+) -> (
+    Controller<MetalCluster>,
+    Store<PartialObjectMeta<MetalHost>>,
+) {
     let (clusters, hosts): (Api<MetalCluster>, Api<PartialObjectMeta<MetalHost>>) = match namespace
     {
         Some(ns) => (
@@ -201,11 +235,15 @@ pub fn controller(
     let controller = crate::stores::lean_controller(clusters, watcher::Config::default());
     let store = controller.store();
     // Host labels define the failure domains: a new or deleted host, or a change of a host's
-    // labels, re-evaluates its namespace's clusters. Only the hosts' metadata is watched.
+    // labels, re-evaluates its namespace's clusters. Only the hosts' metadata is watched, into
+    // a store of its own that is written before the change wakes anyone.
     let by_cluster = store.clone();
-    let host_changes =
-        host_label_changes(watcher(hosts, watcher::Config::default()).default_backoff());
-    controller
+    let (host_meta, writer) = kube::runtime::reflector::store();
+    let host_changes = host_label_changes(kube::runtime::reflector(
+        writer,
+        crate::stores::lean(watcher(hosts, watcher::Config::default())).default_backoff(),
+    ));
+    let controller = controller
         .watches_stream(host_changes, move |host| {
             let namespace = host.namespace();
             store
@@ -224,7 +262,8 @@ pub fn controller(
                 .filter(|c| c.namespace() == namespace && owned_by_cluster(c, &name))
                 .map(|c| ObjectRef::from_obj(c.as_ref()))
                 .collect::<Vec<_>>()
-        })
+        });
+    (controller, host_meta)
 }
 
 pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {
@@ -245,7 +284,6 @@ mod tests {
     use super::*;
     use crate::api::common::ApiEndpoint;
     use crate::api::metalcluster::MetalClusterSpec;
-    use crate::api::metalhost::MetalHostSpec;
 
     /// Only what can change the failure domains reaches the clusters: a new host, a label
     /// change, a deletion; not the status and claim changes in between.
@@ -270,13 +308,22 @@ mod tests {
             Ok(Event::Apply(meta("a", "z2", "4"))),
             Ok(Event::Apply(meta("a", "z2", "5"))),
             Ok(Event::Delete(meta("b", "z1", "6"))),
+            // The watch restarts; host `a` was deleted meanwhile, `c` is new.
+            Ok(Event::Init),
+            Ok(Event::InitApply(meta("c", "z3", "7"))),
+            Ok(Event::InitDone),
         ];
         let passed: Vec<String> = host_label_changes(futures::stream::iter(events))
-            .map(|h| h.map(|h| h.resource_version().unwrap_or_default()))
+            .map(|h| {
+                h.map(|h| match h.resource_version() {
+                    Some(version) => version,
+                    None => format!("{}: gone", h.namespace().unwrap_or_default()),
+                })
+            })
             .filter_map(|r| async move { r.ok() })
             .collect()
             .await;
-        assert_eq!(passed, ["1", "3", "4", "6"]);
+        assert_eq!(passed, ["1", "3", "4", "6", "7", "ns: gone"]);
     }
 
     fn cluster(host: &str, port: i32) -> MetalCluster {
@@ -294,12 +341,18 @@ mod tests {
         mc
     }
 
-    fn host(ns: &str, fd: Option<&str>) -> Arc<MetalHost> {
-        let mut h = MetalHost::new("h", MetalHostSpec::for_tests());
-        h.metadata.namespace = Some(ns.into());
-        h.metadata.labels =
-            fd.map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into());
-        Arc::new(h)
+    fn host(ns: &str, fd: Option<&str>) -> Arc<PartialObjectMeta<MetalHost>> {
+        use kube::core::PartialObjectMetaExt;
+        Arc::new(
+            kube::api::ObjectMeta {
+                name: Some("h".into()),
+                namespace: Some(ns.into()),
+                labels: fd
+                    .map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into()),
+                ..Default::default()
+            }
+            .into_request_partial(),
+        )
     }
 
     #[test]

@@ -763,6 +763,9 @@ pub fn controller(
             let namespace = mm.namespace().unwrap_or_default();
             // The machine names its host in status once it has one; a machine without that
             // (claiming, or restored without status) finds its hosts in the index by consumer.
+            if let Some(host) = mm.status.as_ref().and_then(|s| s.host_ref.as_ref()) {
+                return vec![ObjectRef::new(&host.name).within(&namespace)];
+            }
             // A machine still claiming changes nothing a host derives its state from (the
             // claim is the host's own write, which wakes it), so it wakes none. One that has no
             // status yet may be new to the store, which changes its host's consumer from missing

@@ -215,9 +215,12 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
                     reason: reason.into(),
                     message,
                 },
+                // Two Nodes with one providerID (a host re-registered under a new name before
+                // the old Node was deleted): the newest is the host as it runs now.
                 Ok((_, nodes)) => nodes
                     .get(&provider_id)
-                    .first()
+                    .iter()
+                    .max_by_key(|n| n.metadata.creation_timestamp.as_ref().map(|t| t.0))
                     .map(|n| node_view(n, &m))
                     .unwrap_or(NodeView::Missing { provider_id }),
             }

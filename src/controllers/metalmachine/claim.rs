@@ -80,9 +80,10 @@ pub fn free_key(namespace: &str) -> String {
 pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
     let namespace = h.metadata.namespace.as_deref().unwrap_or_default();
     let mut keys = Vec::new();
+    // Keyed by the consumer's own namespace: a host naming a machine elsewhere (which that
+    // machine never claims) must still be found by the machine's changes (`metalhost` mapper).
     if let Some(c) = &h.spec.consumer_ref
         && c.kind == "MetalMachine"
-        && c.namespace == namespace
     {
         keys.push(consumer_key(&c.namespace, &c.name));
     }
@@ -281,6 +282,21 @@ mod tests {
         let mut n: Vec<String> = v.unwrap_or_default().iter().map(|h| h.name_any()).collect();
         n.sort();
         n
+    }
+
+    /// A claimed host is listed under its consumer (wherever that machine lives), a free one
+    /// under its namespace, a host that is neither under nothing.
+    #[test]
+    fn hosts_are_indexed_by_consumer_and_as_free() {
+        let free = host("a", HostState::Available, true, &[]);
+        assert_eq!(host_index_keys(&free), [free_key("ns")]);
+        let offline = host("b", HostState::Available, false, &[]);
+        assert!(host_index_keys(&offline).is_empty());
+        let mut claimed = (*host("c", HostState::Provisioning, true, &[])).clone();
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
+        assert_eq!(host_index_keys(&claimed), [consumer_key("ns", "m")]);
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "elsewhere"));
+        assert_eq!(host_index_keys(&claimed), [consumer_key("elsewhere", "m")]);
     }
 
     #[test]

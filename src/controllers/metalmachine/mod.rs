@@ -490,10 +490,19 @@ impl FreedHosts {
         waiting: &crate::stores::Index<MetalMachine>,
         host: &MetalHost,
     ) -> Vec<ObjectRef<MetalMachine>> {
+        let mut waiting = waiting.get(&waiting_key(
+            host.metadata.namespace.as_deref().unwrap_or_default(),
+        ));
+        // The index lists them by name; each host starts elsewhere in that list, so the first
+        // few by name are not the only ones ever woken.
+        if !waiting.is_empty() {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            host.metadata.name.hash(&mut hasher);
+            let start = (hasher.finish() % waiting.len() as u64) as usize;
+            waiting.rotate_left(start);
+        }
         waiting
-            .get(&waiting_key(
-                host.metadata.namespace.as_deref().unwrap_or_default(),
-            ))
             .into_iter()
             .filter(|m| {
                 m.spec
