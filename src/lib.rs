@@ -4,6 +4,10 @@
 //! thin I/O), `bmc` (Redfish), `boot` (HTTP/TFTP/iPXE/cloud-init), `lab` (QEMU hosts behind
 //! virtual BMCs), `controlplane` (the local kube-apiserver used by tests and the lab).
 
+// Input from outside (CRs, Secrets, BMC replies, DHCP/TFTP/HTTP requests) must never panic the
+// manager: outside tests, `unwrap`/`expect` do not compile under clippy (`.ci/run`).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod agent;
 pub mod api;
 pub mod bmc;

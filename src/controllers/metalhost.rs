@@ -700,21 +700,18 @@ fn error_policy(host: Arc<MetalHost>, error: &ReconcileError, ctx: Arc<HostConte
         .after_failure("MetalHost", &key(host.as_ref()), error)
 }
 
-/// The hosts whose credentials or CA Secret is `secret`.
+/// The hosts whose credentials or CA Secret is `secret`. Every Secret change in the namespace
+/// asks this (bootstrap Secrets too, one per machine): a lookup, not a scan of every host.
 fn hosts_using(
-    hosts: &Store<MetalHost>,
+    hosts: &crate::stores::Index<MetalHost>,
     namespace: &str,
     secret: &str,
 ) -> Vec<ObjectRef<MetalHost>> {
-    // Every Secret change in the namespace (boot Secrets too) asks this: no String per host.
     hosts
-        .state()
+        .get(&crate::controllers::metalmachine::claim::secret_key(
+            namespace, secret,
+        ))
         .iter()
-        .filter(|h| {
-            h.metadata.namespace.as_deref() == Some(namespace)
-                && (h.spec.bmc.credentials_name == secret
-                    || h.spec.bmc.ca_secret_name.as_deref() == Some(secret))
-        })
         .map(|h| ObjectRef::from_obj(h.as_ref()))
         .collect()
 }
@@ -733,7 +730,7 @@ pub fn controller(
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let store = stores.hosts.clone();
+    let store = stores.host_index.clone();
     let claimed = stores.host_index.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
     // kept in a store for the move label).

@@ -75,8 +75,9 @@ pub fn free_key(namespace: &str) -> String {
     format!("free/{namespace}")
 }
 
-/// What the shared hosts' store indexes a host under: its MetalMachine consumer, and whether it
-/// is free. Observing a machine then costs the hosts it may use, not every host.
+/// What the shared hosts' store indexes a host under: its MetalMachine consumer, whether it is
+/// free, and its BMC Secrets. Observing a machine then costs the hosts it may use, and a Secret
+/// change the hosts that use it, not every host.
 pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
     let namespace = h.metadata.namespace.as_deref().unwrap_or_default();
     let mut keys = Vec::new();
@@ -90,7 +91,16 @@ pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
     if is_free(h) {
         keys.push(free_key(namespace));
     }
+    keys.push(secret_key(namespace, &h.spec.bmc.credentials_name));
+    if let Some(ca) = &h.spec.bmc.ca_secret_name {
+        keys.push(secret_key(namespace, ca));
+    }
     keys
+}
+
+/// The host index key of the hosts whose BMC credentials or CA Secret is `namespace/name`.
+pub fn secret_key(namespace: &str, name: &str) -> String {
+    format!("secret/{namespace}/{name}")
 }
 
 /// What a host must be for `mm` to claim it, read from the machine once per pass.
@@ -285,18 +295,33 @@ mod tests {
     }
 
     /// A claimed host is listed under its consumer (wherever that machine lives), a free one
-    /// under its namespace, a host that is neither under nothing.
+    /// under its namespace, and every host under its BMC Secrets.
     #[test]
-    fn hosts_are_indexed_by_consumer_and_as_free() {
+    fn hosts_are_indexed_by_consumer_as_free_and_by_bmc_secret() {
+        let credentials = secret_key("ns", "c");
         let free = host("a", HostState::Available, true, &[]);
-        assert_eq!(host_index_keys(&free), [free_key("ns")]);
-        let offline = host("b", HostState::Available, false, &[]);
-        assert!(host_index_keys(&offline).is_empty());
+        assert_eq!(
+            host_index_keys(&free),
+            [free_key("ns"), credentials.clone()]
+        );
+        let mut offline = (*host("b", HostState::Available, false, &[])).clone();
+        assert_eq!(host_index_keys(&offline), [credentials.as_str()]);
+        offline.spec.bmc.ca_secret_name = Some("ca".into());
+        assert_eq!(
+            host_index_keys(&offline),
+            [credentials.clone(), secret_key("ns", "ca")]
+        );
         let mut claimed = (*host("c", HostState::Provisioning, true, &[])).clone();
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
-        assert_eq!(host_index_keys(&claimed), [consumer_key("ns", "m")]);
+        assert_eq!(
+            host_index_keys(&claimed),
+            [consumer_key("ns", "m"), credentials.clone()]
+        );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "elsewhere"));
-        assert_eq!(host_index_keys(&claimed), [consumer_key("elsewhere", "m")]);
+        assert_eq!(
+            host_index_keys(&claimed),
+            [consumer_key("elsewhere", "m"), credentials]
+        );
     }
 
     #[test]
