@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams};
+use kube::runtime::WatchStreamExt;
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::HostState;
 use metalboot::api::{MetalHost, MetalMachine};
@@ -29,6 +30,65 @@ fn count<'a>(items: impl Iterator<Item = &'a str>) -> BTreeMap<String, usize> {
     m
 }
 
+fn manager_options(namespace: &str) -> metalboot::manager::ManagerOptions {
+    metalboot::manager::ManagerOptions {
+        namespace: Some(namespace.to_string()),
+        boot_http: "127.0.0.1:0".parse().expect("addr"),
+        // Short, so the settle window below sees a poll of every host.
+        power_poll_interval: Duration::from_secs(10),
+        ..Default::default()
+    }
+}
+
+/// Every Machine seen out of Running and every MetalMachine seen not ready or not Provisioned,
+/// from now on (the watch's first list included).
+fn record_status_regressions(
+    machines: &Api<Machine>,
+    metal_machines: &Api<MetalMachine>,
+) -> Arc<std::sync::Mutex<Vec<String>>> {
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = |seen: &Arc<std::sync::Mutex<Vec<String>>>, what: String| {
+        if let Ok(mut v) = seen.lock() {
+            v.push(what);
+        }
+    };
+    let out = seen.clone();
+    let mut stream = watcher(machines.clone(), watcher::Config::default())
+        .applied_objects()
+        .boxed();
+    tokio::spawn(async move {
+        while let Some(Ok(m)) = stream.next().await {
+            let phase = m.status.as_ref().and_then(|s| s.phase.clone());
+            if phase.as_deref() != Some("Running") {
+                record(&out, format!("Machine {} {phase:?}", m.name_any()));
+            }
+        }
+    });
+    let out = seen.clone();
+    let mut stream = watcher(metal_machines.clone(), watcher::Config::default())
+        .applied_objects()
+        .boxed();
+    tokio::spawn(async move {
+        while let Some(Ok(mm)) = stream.next().await {
+            let status = mm.status.clone().unwrap_or_default();
+            let phase = format!("{:?}", status.phase);
+            if !status.ready || phase != "Some(Provisioned)" {
+                record(
+                    &out,
+                    format!(
+                        "MetalMachine {} ready={} {phase}",
+                        mm.name_any(),
+                        status.ready
+                    ),
+                );
+            }
+        }
+    });
+    seen
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their_callback() {
     metalboot::telemetry::init(
@@ -37,18 +97,9 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
     );
     let ns = support::namespace("fleet").await;
     support::boot::install_crds(&ns.client).await;
-    let manager = metalboot::manager::start(
-        ns.client.clone(),
-        metalboot::manager::ManagerOptions {
-            namespace: Some(ns.name.clone()),
-            boot_http: "127.0.0.1:0".parse().expect("addr"),
-            // Short, so the settle window below sees a poll of every host.
-            power_poll_interval: Duration::from_secs(10),
-            ..Default::default()
-        },
-    )
-    .await
-    .expect("manager starts");
+    let manager = metalboot::manager::start(ns.client.clone(), manager_options(&ns.name))
+        .await
+        .expect("manager starts");
 
     // The lab's plain-HTTP relay to the apiserver, for the hosts' kubelet stand-in.
     let plane = support::control_plane();
@@ -197,6 +248,37 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
     assert!(
         settled.bmc_max_in_flight <= 1,
         "more than one request at once at one BMC: {settled:?}"
+    );
+
+    // Restart: the new manager's passes decide nothing from stores that have not listed yet. No
+    // Machine leaves Running, no MetalMachine stops being ready or Provisioned, no host is touched.
+    let went_back = record_status_regressions(&machines, &metal_machines);
+    let passes = || ["machine", "metalmachine", "metalhost"].map(metalboot::metrics::reconciles);
+    let before = passes();
+    drop(manager);
+    let manager = metalboot::manager::start(ns.client.clone(), manager_options(&ns.name))
+        .await
+        .expect("manager restarts");
+    support::eventually(
+        "every Machine, MetalMachine and MetalHost passed by the restarted manager",
+        120,
+        || async {
+            let after = passes();
+            (0..3)
+                .all(|i| after[i] >= before[i] + u64::from(N))
+                .then_some(())
+        },
+    )
+    .await;
+    let restarted = fleet.stats();
+    assert_eq!(
+        restarted.actions_after_callback, 0,
+        "the restart touched a host that called back: {restarted:?}"
+    );
+    let went_back = went_back.lock().map(|v| v.clone()).unwrap_or_default();
+    assert!(
+        went_back.is_empty(),
+        "status went back after the restart: {went_back:?}"
     );
 
     // Release: every Machine deleted → every host powered off and Available again.

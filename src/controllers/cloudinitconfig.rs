@@ -170,6 +170,10 @@ async fn reconcile(
     if !passes_watch_filter(cfg.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
+    // Only a listed store can say "not found" (see `SharedStores::until_listed`).
+    if let Some(clusters) = &ctx.clusters {
+        crate::stores::until_ready(clusters).await;
+    }
     let ns = cfg.namespace().unwrap_or_default();
     let name = cfg.name_any();
     let api: Api<CloudInitConfig> = Api::namespaced(ctx.client.clone(), &ns);

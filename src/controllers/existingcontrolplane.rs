@@ -159,6 +159,8 @@ async fn reconcile(
     if !passes_watch_filter(ecp.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
+    // Only a listed store can say "not found" (see `SharedStores::until_listed`).
+    crate::stores::until_ready(&ctx.clusters).await;
     let namespace = ecp.namespace().unwrap_or_default();
     let cluster = ecp.labels().get(CLUSTER_NAME_LABEL).cloned();
     let cluster_object = cluster

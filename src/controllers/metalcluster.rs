@@ -119,6 +119,10 @@ async fn reconcile(
     {
         return Ok(Action::await_change());
     }
+    // Only listed stores can say "not found" (see `SharedStores::until_listed`): no hosts listed
+    // yet would read as no failure domains.
+    crate::stores::until_ready(&ctx.hosts).await;
+    crate::stores::until_ready(&ctx.clusters).await;
     let namespace = mc.namespace().unwrap_or_default();
     let owner = mc
         .owner_references()

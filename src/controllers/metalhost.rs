@@ -442,6 +442,8 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
         return Ok(Action::await_change());
     }
     let object = key(host.as_ref());
+    ctx.stores.until_listed().await;
+    crate::stores::until_ready(&ctx.secret_meta).await;
     super::instrumented(CONTROLLER, object, pass(host, &ctx)).await
 }
 

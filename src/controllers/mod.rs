@@ -48,6 +48,22 @@ pub struct SharedStores {
     pub metal_machine_index: crate::stores::Index<MetalMachine>,
 }
 
+impl SharedStores {
+    /// Waits until every store has made its first list, as controller-runtime's workers wait for
+    /// their caches. Before that, an object missing from a store may only be not listed yet: a
+    /// pass deciding from it would write "owner not found" or "Cluster not found" over a running
+    /// machine's status after every restart.
+    pub async fn until_listed(&self) {
+        use crate::stores::until_ready;
+        until_ready(&self.hosts).await;
+        until_ready(&self.metal_machines).await;
+        until_ready(&self.machines).await;
+        until_ready(&self.clusters).await;
+        until_ready(&self.metal_clusters).await;
+        until_ready(&self.boot_secrets).await;
+    }
+}
+
 /// One controller's subscriptions to the shared watches.
 pub struct Subscriptions {
     pub hosts: crate::stores::Changes<MetalHost>,
@@ -384,6 +400,49 @@ pub fn passes_watch_filter<K: Resource>(obj: &K, filter: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pass waits for every shared store's first list: until the last one lists, "not found"
+    /// in any of them could be only "not listed yet".
+    #[tokio::test]
+    async fn passes_wait_until_every_shared_store_has_listed() {
+        use futures::FutureExt;
+        use kube::runtime::reflector::store::Writer;
+        use kube::runtime::watcher::Event;
+        fn list<K>(writer: &mut Writer<K>)
+        where
+            K: kube::runtime::reflector::Lookup + Clone,
+            K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+        {
+            writer.apply_watcher_event(&Event::Init);
+            writer.apply_watcher_event(&Event::InitDone);
+        }
+        let (hosts, mut hosts_w) = kube::runtime::reflector::store();
+        let (metal_machines, mut metal_machines_w) = kube::runtime::reflector::store();
+        let (machines, mut machines_w) = kube::runtime::reflector::store();
+        let (clusters, mut clusters_w) = kube::runtime::reflector::store();
+        let (metal_clusters, mut metal_clusters_w) = kube::runtime::reflector::store();
+        let (boot_secrets, mut boot_secrets_w) = kube::runtime::reflector::store();
+        let stores = SharedStores {
+            hosts,
+            metal_machines,
+            machines,
+            clusters,
+            metal_clusters,
+            boot_secrets,
+            host_index: crate::stores::Index::new(metalmachine::claim::host_index_keys),
+            metal_machine_index: crate::stores::Index::new(metalmachine::waiting_index_keys),
+        };
+        let listed = || stores.until_listed().now_or_never().is_some();
+        assert!(!listed(), "nothing listed");
+        list(&mut hosts_w);
+        list(&mut metal_machines_w);
+        list(&mut machines_w);
+        list(&mut clusters_w);
+        list(&mut metal_clusters_w);
+        assert!(!listed(), "the boot Secrets have not listed");
+        list(&mut boot_secrets_w);
+        assert!(listed(), "all six listed");
+    }
 
     #[test]
     fn stale_writes_retry_soon_without_backoff_and_real_failures_back_off() {

@@ -110,8 +110,9 @@ pub struct Decision {
 }
 
 /// The phase per seeds 002/003. Failed is terminal: once there, only deletion changes it.
-/// Running is entered when the Node is Ready; a Running Machine whose Node goes NotReady stays
-/// Running (its Ready condition says so) rather than flapping phases with every kubelet blip.
+/// Running is entered when the Node is Ready. A Running Machine stays Running whatever the Node
+/// lookup says (as upstream's does, its nodeRef staying set): a Node NotReady, gone, or not
+/// listed yet after a restart is said by NodeReady and Ready, not by flapping phases.
 pub fn phase(
     previous: Option<&str>,
     failed: bool,
@@ -124,7 +125,8 @@ pub fn phase(
         return "Failed";
     }
     match node {
-        Some(ready) if infra_ready && (ready || previous == Some("Running")) => "Running",
+        Some(true) if infra_ready => "Running",
+        _ if infra_ready && previous == Some("Running") => "Running",
         _ if infra_ready && has_provider_id => "Provisioned",
         _ if bootstrap_ready => "Provisioning",
         _ => "Pending",
@@ -165,8 +167,10 @@ pub fn decide(o: &Observed) -> Decision {
             ),
             o,
         );
-        status.phase =
-            Some(phase(previous_phase.as_deref(), false, false, false, false, None).into());
+        // The phase says how far the Machine got, which a missing Cluster does not undo (upstream
+        // writes nothing then): a Running Machine whose Cluster is gone, or not listed yet after a
+        // restart, stays Running.
+        status.phase = Some(previous_phase.unwrap_or_else(|| "Pending".into()));
         return Decision {
             status,
             step: Step::Nothing,
@@ -662,6 +666,32 @@ mod tests {
                 Step::Nothing,
             ),
             (
+                "Running, Node not found (deleted, or its cluster's Nodes not listed yet after \
+                 a restart): stays Running",
+                with(|o, m| {
+                    provisioned(o, m);
+                    previously(m, "Running");
+                    o.node = NodeView::Missing {
+                        provider_id: "metalboot://ns/h/u".into(),
+                    };
+                }),
+                "Running",
+                Step::Nothing,
+            ),
+            (
+                "Running, workload cluster unreadable: stays Running",
+                with(|o, m| {
+                    provisioned(o, m);
+                    previously(m, "Running");
+                    o.node = NodeView::Unavailable {
+                        reason: "WorkloadClusterUnreachable".into(),
+                        message: "no answer".into(),
+                    };
+                }),
+                "Running",
+                Step::Nothing,
+            ),
+            (
                 "infrastructure reports failureReason: Failed",
                 with(|o, m| {
                     bootstrapped(o, m);
@@ -701,6 +731,22 @@ mod tests {
             (cond(&d, "Ready").1.as_str(), &d.step, d.requeue.is_some()),
             ("ClusterNotFound", &Step::Nothing, true),
             "no Cluster: say so, no write, look again later"
+        );
+        assert_eq!(
+            d.status.phase.as_deref(),
+            Some("Pending"),
+            "no Cluster, no phase yet: Pending"
+        );
+        let d = decide(&with(|o, m| {
+            provisioned(o, m);
+            previously(m, "Running");
+            o.node = node(true);
+            o.cluster = None;
+        }));
+        assert_eq!(
+            (d.status.phase.as_deref(), cond(&d, "Ready").1.as_str()),
+            (Some("Running"), "ClusterNotFound"),
+            "a Running Machine whose Cluster is missing (gone, or not listed yet) stays Running"
         );
         let d = decide(&with(|o, m| {
             m.metadata.annotations =

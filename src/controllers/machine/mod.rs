@@ -328,6 +328,11 @@ async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, 
         return Ok(Action::await_change());
     }
     let object = key(m.as_ref());
+    // Only listed stores can say "not found" (see `SharedStores::until_listed`).
+    crate::stores::until_ready(&ctx.clusters).await;
+    if let Some(metal_machines) = &ctx.metal_machines {
+        crate::stores::until_ready(metal_machines).await;
+    }
     super::instrumented(CONTROLLER, object, pass(m, &ctx)).await
 }
 

@@ -24,6 +24,8 @@ struct Workload {
     checked: Instant,
     client: kube::Client,
     nodes: NodesByProviderId,
+    /// The Node store behind `nodes`: until its first list, no Node is "missing".
+    store: reflector::Store<Node>,
     watch: JoinHandle<()>,
 }
 
@@ -125,11 +127,14 @@ impl Workloads {
         cluster: &str,
     ) -> Result<(kube::Client, NodesByProviderId), Unavailable> {
         let cache_key = format!("{namespace}/{cluster}");
-        if let Ok(map) = self.clusters.lock()
-            && let Some(w) = map.get(&cache_key)
-            && w.checked.elapsed() < self.recheck
-        {
-            return Ok((w.client.clone(), w.nodes.clone()));
+        let cached = self.clusters.lock().ok().and_then(|map| {
+            map.get(&cache_key)
+                .filter(|w| w.checked.elapsed() < self.recheck)
+                .map(|w| (w.client.clone(), w.nodes.clone(), w.store.clone()))
+        });
+        if let Some((client, nodes, store)) = cached {
+            listed(&store, cluster).await?;
+            return Ok((client, nodes));
         }
         let secret_name = format!("{cluster}-kubeconfig");
         let secret = Api::<Secret>::namespaced(client.clone(), namespace)
@@ -146,12 +151,17 @@ impl Workloads {
                 format!("Secret {namespace}/{secret_name} not found"),
             ))?;
         let version = secret.resource_version().unwrap_or_default();
-        if let Ok(mut map) = self.clusters.lock()
-            && let Some(w) = map.get_mut(&cache_key)
-            && w.version == version
-        {
-            w.checked = Instant::now();
-            return Ok((w.client.clone(), w.nodes.clone()));
+        let unchanged = self.clusters.lock().ok().and_then(|mut map| {
+            map.get_mut(&cache_key)
+                .filter(|w| w.version == version)
+                .map(|w| {
+                    w.checked = Instant::now();
+                    (w.client.clone(), w.nodes.clone(), w.store.clone())
+                })
+        });
+        if let Some((client, nodes, store)) = unchanged {
+            listed(&store, cluster).await?;
+            return Ok((client, nodes));
         }
         let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
         let value = secret
@@ -204,23 +214,30 @@ impl Workloads {
             checked: Instant::now(),
             client: workload.clone(),
             nodes: nodes.clone(),
+            store: store.clone(),
             watch,
         };
         // Inserting drops (and so stops) the watch of the kubeconfig this one replaces.
         if let Ok(mut map) = self.clusters.lock() {
             map.insert(cache_key, entry);
         }
-        if tokio::time::timeout(Duration::from_secs(10), crate::stores::until_ready(&store))
-            .await
-            .is_err()
-        {
-            return Err((
-                "WorkloadClusterUnreachable",
-                format!("no answer from the workload cluster of {cluster} within 10 s"),
-            ));
-        }
+        listed(&store, cluster).await?;
         Ok((workload, nodes))
     }
+}
+
+/// Waits (10 s at most) for the Node store's first list. Every pass waits, not only the one that
+/// started the watch: a pass that found the entry while the list was still under way would read
+/// no Node as "the Node is missing".
+async fn listed(store: &reflector::Store<Node>, cluster: &str) -> Result<(), Unavailable> {
+    tokio::time::timeout(Duration::from_secs(10), crate::stores::until_ready(store))
+        .await
+        .map_err(|_| {
+            (
+                "WorkloadClusterUnreachable",
+                format!("no answer from the workload cluster of {cluster} within 10 s"),
+            )
+        })
 }
 
 #[cfg(test)]

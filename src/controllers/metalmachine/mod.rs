@@ -342,6 +342,7 @@ async fn pass_in_turn(
     ctx: &MachineContext,
 ) -> Result<Action, ReconcileError> {
     let object = super::key(mm.as_ref());
+    ctx.stores.until_listed().await;
     let _turn = ctx.pass_locks.lock(&object).await;
     let mm = ctx
         .stores
