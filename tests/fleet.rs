@@ -40,11 +40,12 @@ fn manager_options(namespace: &str) -> metalboot::manager::ManagerOptions {
     }
 }
 
-/// Every Machine seen out of Running and every MetalMachine seen not ready or not Provisioned,
-/// from now on (the watch's first list included).
+/// Every Machine seen out of Running, every MetalMachine seen not ready or not Provisioned and
+/// every MetalHost seen out of Provisioned, and every MetalCluster seen not ready, from now on (the watches' first lists included).
 fn record_status_regressions(
     machines: &Api<Machine>,
     metal_machines: &Api<MetalMachine>,
+    hosts: &Api<MetalHost>,
 ) -> Arc<std::sync::Mutex<Vec<String>>> {
     use futures::StreamExt;
     use kube::runtime::watcher;
@@ -83,6 +84,36 @@ fn record_status_regressions(
                         status.ready
                     ),
                 );
+            }
+        }
+    });
+    let out = seen.clone();
+    let mut stream = watcher(
+        Api::<metalboot::api::MetalCluster>::namespaced(
+            hosts.clone().into_client(),
+            hosts.namespace().unwrap_or("default"),
+        ),
+        watcher::Config::default(),
+    )
+    .applied_objects()
+    .boxed();
+    tokio::spawn(async move {
+        while let Some(Ok(c)) = stream.next().await {
+            let ready = c.status.as_ref().is_some_and(|s| s.ready);
+            if !ready {
+                record(&out, format!("MetalCluster {} not ready", c.name_any()));
+            }
+        }
+    });
+    let out = seen.clone();
+    let mut stream = watcher(hosts.clone(), watcher::Config::default())
+        .applied_objects()
+        .boxed();
+    tokio::spawn(async move {
+        while let Some(Ok(h)) = stream.next().await {
+            let state = h.status.as_ref().and_then(|s| s.state);
+            if state != Some(HostState::Provisioned) {
+                record(&out, format!("MetalHost {} {state:?}", h.name_any()));
             }
         }
     });
@@ -251,8 +282,9 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
     );
 
     // Restart: the new manager's passes decide nothing from stores that have not listed yet. No
-    // Machine leaves Running, no MetalMachine stops being ready or Provisioned, no host is touched.
-    let went_back = record_status_regressions(&machines, &metal_machines);
+    // Machine leaves Running, no MetalMachine stops being ready or Provisioned, no MetalHost
+    // leaves Provisioned, no host is touched.
+    let went_back = record_status_regressions(&machines, &metal_machines, &hosts);
     let passes = || ["machine", "metalmachine", "metalhost"].map(metalboot::metrics::reconciles);
     let before = passes();
     drop(manager);
