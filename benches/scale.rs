@@ -44,10 +44,12 @@ type Verbs = BTreeMap<String, f64>;
 /// Per Machine: when its MetalMachine was first seen ready, and the Machine Provisioned/Running.
 type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
 
-/// The manager's own callback→ready histogram (`metalboot_callback_latency_seconds{stage="ready"}`,
-/// taken when the ready status write returns): cumulative counts per upper bound in seconds. It
-/// holds no watch delay, unlike the benchmark's own view, which lags by seconds under a burst.
-async fn callback_ready_buckets(boot_url: &str) -> Vec<(f64, f64)> {
+/// The manager's own histogram of seconds from a callback to one of its stages
+/// (`metalboot_callback_latency_seconds{stage=…}`; `ready` is taken when the ready status write
+/// returns): cumulative counts per upper bound in seconds. It holds no watch delay, unlike the
+/// benchmark's own view, which lags by seconds under a burst.
+async fn callback_stage_buckets(boot_url: &str, stage: &str) -> Vec<(f64, f64)> {
+    let stage = format!("stage=\"{stage}\"");
     let text = match reqwest::get(format!("{boot_url}/metrics")).await {
         Ok(response) => response.text().await.unwrap_or_default(),
         Err(_) => String::new(),
@@ -55,7 +57,7 @@ async fn callback_ready_buckets(boot_url: &str) -> Vec<(f64, f64)> {
     let mut buckets: Vec<(f64, f64)> = text
         .lines()
         .filter_map(|line| line.strip_prefix("metalboot_callback_latency_seconds_bucket{"))
-        .filter(|rest| rest.contains("stage=\"ready\""))
+        .filter(|rest| rest.contains(&stage))
         .filter_map(|rest| {
             let (labels, value) = rest.rsplit_once("} ")?;
             let le = labels
@@ -73,6 +75,12 @@ async fn callback_ready_buckets(boot_url: &str) -> Vec<(f64, f64)> {
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     buckets
 }
+
+/// The callback's stages in the manager, in order: the boot Secret records it (the callback
+/// answered), its lane pass starts, that pass has the machine's turn, (each time a lane pass
+/// found a store behind and looks again), the pass that records it has decided, its ready
+/// status is written.
+const CALLBACK_STAGES: [&str; 6] = ["recorded", "lane", "turn", "stale", "decided", "ready"];
 
 /// The `q` quantile in ms of what was observed between two scrapes, interpolated within its
 /// bucket as Prometheus's `histogram_quantile` does.
@@ -472,7 +480,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
 
     // Provision.
     let before = after;
-    let ready_before = callback_ready_buckets(&boot_url).await;
+    let mut stages_before = Vec::new();
+    for stage in CALLBACK_STAGES {
+        stages_before.push(callback_stage_buckets(&boot_url, stage).await);
+    }
     let started = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
@@ -540,9 +551,27 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     }
     row.ready_p50_ms = percentile(ready_ms.clone(), 0.5);
     row.ready_p99_ms = percentile(ready_ms, 0.99);
-    let ready_after = callback_ready_buckets(&boot_url).await;
-    row.manager_ready_p50_ms = bucket_quantile(&ready_after, &ready_before, 0.5);
-    row.manager_ready_p99_ms = bucket_quantile(&ready_after, &ready_before, 0.99);
+    let mut split = Vec::new();
+    for (stage, before) in CALLBACK_STAGES.iter().zip(&stages_before) {
+        let after = callback_stage_buckets(&boot_url, stage).await;
+        let (p50, p99) = (
+            bucket_quantile(&after, before, 0.5),
+            bucket_quantile(&after, before, 0.99),
+        );
+        let count = |b: &[(f64, f64)]| b.last().map_or(0.0, |(_, c)| *c);
+        split.push(format!(
+            "{stage} {p50:.0}/{p99:.0} ({:.0})",
+            count(&after) - count(before)
+        ));
+        if *stage == "ready" {
+            row.manager_ready_p50_ms = p50;
+            row.manager_ready_p99_ms = p99;
+        }
+    }
+    println!(
+        "N={n} provision: callback→stage p50/p99 ms in the manager: {}",
+        split.join(", ")
+    );
     println!(
         "N={n} provision: callback→ready p50/p99 {:.0}/{:.0} ms as the benchmark's watch saw it, {:.0}/{:.0} ms in the manager's histogram",
         row.ready_p50_ms, row.ready_p99_ms, row.manager_ready_p50_ms, row.manager_ready_p99_ms

@@ -142,7 +142,7 @@ pub fn metrics() -> &'static Metrics {
         registry.register("hosts", "MetalHosts by state", m.hosts.clone());
         registry.register(
             "callback_latency_seconds",
-            "Seconds from a host's bootstrap-success callback to the MetalMachine's providerID and ready (stage=ready)",
+            "Seconds from a host's bootstrap-success callback to each stage of acting on it: its boot Secret records it (stage=recorded), its callback-lane pass starts (stage=lane) and has the machine's turn (stage=turn), finds a store behind and looks again (stage=stale, once per try), the pass that records providerID has decided (stage=decided), providerID and ready are written (stage=ready)",
             m.callback_latency_seconds.clone(),
         );
         registry.register(

@@ -24,6 +24,50 @@ use tokio::sync::Semaphore;
 
 tokio::task_local! {
     static URGENT: ();
+    static PRIORITY: Priority;
+}
+
+/// A pass's place in the queue, which can be raised while it waits: a host's callback whose pass
+/// waits for this pass's turn on the same machine raises it, so the pass it waits for is not
+/// held in the crowd (1.7 s p99 of the callback's wait at N=1000 was spent there).
+#[derive(Clone, Default)]
+pub struct Priority(Arc<Raised>);
+
+#[derive(Default)]
+struct Raised {
+    raised: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Priority {
+    /// From now on this pass's requests skip the wait, including one waiting now.
+    pub fn raise(&self) {
+        self.0
+            .raised
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.0.notify.notify_waiters();
+    }
+
+    pub fn is_raised(&self) -> bool {
+        self.0.raised.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Returns once raised.
+    async fn raised(&self) {
+        loop {
+            // Created before the check, so a raise in between still wakes it.
+            let notified = self.0.notify.notified();
+            if self.is_raised() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Runs `work` with its apiserver requests in the crowd until `priority` is raised.
+pub async fn with_priority<F: Future>(priority: Priority, work: F) -> F::Output {
+    PRIORITY.scope(priority, work).await
 }
 
 /// Runs `work` with its apiserver requests ahead of the bounded crowd.
@@ -94,9 +138,15 @@ impl tower::Service<http::Request<Body>> for Gated {
         // kube's Buffer hands this future back to the requesting task to poll, so `is_urgent`
         // sees that task's lane.
         Box::pin(async move {
-            let permit = match held && !is_urgent() {
-                true => permits.acquire_owned().await.ok(),
-                false => None,
+            let priority = PRIORITY.try_with(Priority::clone).ok();
+            let raised = priority.as_ref().is_some_and(Priority::is_raised);
+            let permit = match (held && !is_urgent() && !raised, priority) {
+                (false, _) => None,
+                (true, None) => permits.acquire_owned().await.ok(),
+                (true, Some(priority)) => tokio::select! {
+                    permit = permits.acquire_owned() => permit.ok(),
+                    () = priority.raised() => None,
+                },
             };
             let response = inner.send(request);
             let Some(permit) = permit else {
@@ -208,6 +258,36 @@ mod tests {
             5,
             "2 ordinary + 3 past the gate"
         );
+    }
+
+    /// A request waiting for a permit leaves the queue once its pass's priority is raised.
+    #[tokio::test]
+    async fn a_raised_priority_lets_a_waiting_request_through() {
+        let backend = Counting::default();
+        let client = gated(kube::Client::new(backend.clone(), "default"), 1);
+        let send = |path: &'static str| {
+            let client = client.clone();
+            async move { client.send(get(path)).await }
+        };
+        let first = tokio::spawn(send("/api/v1/first"));
+        let in_flight = || backend.now.load(Ordering::SeqCst);
+        until(|| in_flight() == 1).await;
+        let priority = Priority::default();
+        let waiting = tokio::spawn(with_priority(priority.clone(), send("/api/v1/second")));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(in_flight(), 1, "the second request waits for the permit");
+        priority.raise();
+        let through = tokio::time::timeout(Duration::from_secs(10), until(|| in_flight() == 2));
+        assert!(through.await.is_ok(), "raised, it no longer waits");
+        for call in [first, waiting] {
+            while !call.is_finished() {
+                backend.release.notify_waiters();
+                tokio::task::yield_now().await;
+            }
+            assert!(matches!(call.await, Ok(Ok(_))));
+        }
     }
 
     #[tokio::test]

@@ -33,6 +33,8 @@ use crate::api::common::MachineAddress;
 use crate::api::metalmachine::MetalMachineStatus;
 use crate::api::{MetalHost, MetalMachine};
 use crate::boot::http::{CallbackNotice, Recorded};
+use crate::boot::tokens::BootRecord;
+use crate::kubeconn::gate::Priority;
 
 use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key};
@@ -131,26 +133,67 @@ pub struct MachineContext {
 /// awaits it, forgotten after: striped locks made a quarter of the callbacks at N=1000 wait for
 /// another machine's pass.
 #[derive(Default)]
-pub struct PassLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+pub struct PassLocks(Mutex<HashMap<String, Arc<Turns>>>);
+
+/// One machine's lock, and what a callback waiting for it raises.
+#[derive(Default)]
+pub struct Turns {
+    lock: Arc<tokio::sync::Mutex<()>>,
+    /// The priority of the pass holding the lock now.
+    holder: Mutex<Priority>,
+    /// Callback passes waiting for the lock: every pass that takes it meanwhile is raised too.
+    callbacks_waiting: std::sync::atomic::AtomicUsize,
+}
 
 /// A machine's turn; the lock is forgotten when no other pass awaits it.
 pub struct PassTurn<'a> {
     locks: &'a PassLocks,
     key: String,
+    turns: Option<Arc<Turns>>,
     guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+    priority: Priority,
+}
+
+impl PassTurn<'_> {
+    /// The priority of this pass's apiserver requests (see `kubeconn::gate::with_priority`).
+    pub fn priority(&self) -> Priority {
+        self.priority.clone()
+    }
 }
 
 impl PassLocks {
-    pub async fn lock(&self, machine_key: &str) -> PassTurn<'_> {
-        let lock = match self.0.lock() {
+    /// The machine's turn. `for_callback`: a host's callback waits on this pass, so the pass
+    /// holding the turn now, and any taking it before this one, skip the apiserver queue.
+    pub async fn lock(&self, machine_key: &str, for_callback: bool) -> PassTurn<'_> {
+        use std::sync::atomic::Ordering;
+        let turns = match self.0.lock() {
             Ok(mut locks) => locks.entry(machine_key.to_string()).or_default().clone(),
             // A poisoned map: serialize nothing rather than stop every pass.
             Err(_) => Arc::default(),
         };
+        if for_callback {
+            turns.callbacks_waiting.fetch_add(1, Ordering::SeqCst);
+            if let Ok(holder) = turns.holder.lock() {
+                holder.raise();
+            }
+        }
+        let guard = turns.lock.clone().lock_owned().await;
+        if for_callback {
+            turns.callbacks_waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+        let priority = Priority::default();
+        if for_callback || turns.callbacks_waiting.load(Ordering::SeqCst) > 0 {
+            priority.raise();
+        }
+        if let Ok(mut holder) = turns.holder.lock() {
+            *holder = priority.clone();
+        }
         PassTurn {
             locks: self,
             key: machine_key.to_string(),
-            guard: Some(lock.lock_owned().await),
+            turns: Some(turns),
+            guard: Some(guard),
+            priority,
         }
     }
 
@@ -167,6 +210,7 @@ impl PassLocks {
 impl Drop for PassTurn<'_> {
     fn drop(&mut self) {
         drop(self.guard.take());
+        drop(self.turns.take());
         if let Ok(mut locks) = self.locks.0.lock()
             && locks
                 .get(&self.key)
@@ -204,6 +248,19 @@ impl CallbackLane {
 
 const CALLBACK_LANE_PASSES: usize = 64;
 
+/// How often, and how far apart, a lane pass looks again at stores that lag behind this
+/// manager's own writes (1 s in all; past that the controller's pass takes over).
+const LANE_STALE_TRIES: u32 = 20;
+const LANE_STALE_WAIT: Duration = Duration::from_millis(50);
+
+/// What a pass came to.
+pub enum Passed {
+    Decided(Action),
+    /// A store had not shown this manager's last write to the named object yet: nothing was
+    /// decided.
+    Stale(String),
+}
+
 /// A host's callback is acted on at once, outside the controller's queue. Under a burst the
 /// controller's runner is full and a woken machine waits among hundreds in no particular order
 /// (38 s p99 at N=1000); here its pass starts when the callback is recorded. The controller
@@ -212,6 +269,10 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
     let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
         return;
     };
+    let callback = notice.recorded.as_ref().map(|r| r.written.clone());
+    if let Some(secret) = &callback {
+        record_callback_stage("recorded", secret);
+    }
     let machine = ObjectRef::new(&notice.metal_machine).within(&notice.namespace);
     let ctx = ctx.clone();
     tokio::spawn(async move {
@@ -224,8 +285,26 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
             if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
                 return;
             }
-            if let Err(e) = pass_in_turn(mm, &ctx).await {
-                tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
+            if let Some(secret) = &callback {
+                record_callback_stage("lane", secret);
+            }
+            // A store that has not shown this manager's last write yet would hand the callback
+            // to the controller's queue (seconds under a burst): the lane looks again shortly.
+            for attempt in 0..LANE_STALE_TRIES {
+                let lane = callback.as_deref().map(|s| (s, attempt == 0));
+                match pass_in_turn(mm.clone(), &ctx, lane).await {
+                    Ok(Passed::Stale(_)) => {
+                        if let Some(secret) = &callback {
+                            record_callback_stage("stale", secret);
+                        }
+                        tokio::time::sleep(LANE_STALE_WAIT).await;
+                    }
+                    Ok(Passed::Decided(_)) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
+                        break;
+                    }
+                }
             }
         };
         tokio::select! {
@@ -285,25 +364,41 @@ fn with_fault(
     status
 }
 
+/// Seconds from the callback recorded in `secret` (a boot Secret) to now, as `stage`.
+fn record_callback_stage(stage: &str, secret: &k8s_openapi::api::core::v1::Secret) {
+    if let Ok(record) = crate::boot::tokens::parse_boot_secret(secret) {
+        observe_since_callback(stage, &record);
+    }
+}
+
+/// When the host called back, per its boot record.
+fn called_back_at(record: &BootRecord) -> Option<jiff::Timestamp> {
+    record.callback.as_ref()?.received_at.parse().ok()
+}
+
+/// Seconds from the callback in `record` to now, as `stage` (the callback's latency is split
+/// into stages, so a slow p99 says where it waited).
+fn observe_since_callback(stage: &str, record: &BootRecord) {
+    if let Some(called) = called_back_at(record) {
+        crate::metrics::observe_callback_latency(
+            stage,
+            jiff::Timestamp::now()
+                .duration_since(called)
+                .as_secs_f64()
+                .max(0.0),
+        );
+    }
+}
+
 /// Seconds from the callback to this pass's ready status, and the boot and total phases.
 fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
     let BootObservation::Record(record) = &o.boot else {
         return;
     };
-    let Some(called) = record
-        .callback
-        .as_ref()
-        .and_then(|c| c.received_at.parse::<jiff::Timestamp>().ok())
-    else {
+    let Some(called) = called_back_at(record) else {
         return;
     };
-    crate::metrics::observe_callback_latency(
-        "ready",
-        jiff::Timestamp::now()
-            .duration_since(called)
-            .as_secs_f64()
-            .max(0.0),
-    );
+    observe_since_callback("ready", record);
     if let Some(powered) = record.powered_at {
         crate::metrics::observe_phase("boot", called.duration_since(powered).as_secs_f64());
     }
@@ -332,33 +427,59 @@ async fn reconcile(
     if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
-    pass_in_turn(mm, &ctx).await
+    match pass_in_turn(mm, &ctx, None).await? {
+        Passed::Decided(action) => Ok(action),
+        Passed::Stale(_) => Ok(Action::requeue(Duration::from_millis(250))),
+    }
 }
 
 /// A pass in the machine's turn (controller and callback lane alike), deciding from the store's
-/// copy as of the turn: the other path's pass may have run while this one waited.
+/// copy as of the turn: the other path's pass may have run while this one waited. `lane`: the
+/// boot Secret that recorded the callback a lane pass acts on, and whether to measure its wait.
 async fn pass_in_turn(
     mm: Arc<MetalMachine>,
     ctx: &MachineContext,
-) -> Result<Action, ReconcileError> {
+    lane: Option<(&k8s_openapi::api::core::v1::Secret, bool)>,
+) -> Result<Passed, ReconcileError> {
     let object = super::key(mm.as_ref());
     ctx.stores.until_listed().await;
-    let _turn = ctx.pass_locks.lock(&object).await;
+    let turn = ctx.pass_locks.lock(&object, lane.is_some()).await;
+    if let Some((secret, true)) = lane {
+        record_callback_stage("turn", secret);
+    }
     let mm = ctx
         .stores
         .metal_machines
         .get(&ObjectRef::from_obj(mm.as_ref()))
         .unwrap_or(mm);
-    super::instrumented(CONTROLLER, object, pass(mm, ctx)).await
+    let stale = Mutex::new(None);
+    let pass = super::instrumented(CONTROLLER, object, pass_noting_stale(mm, ctx, &stale));
+    let action = crate::kubeconn::gate::with_priority(turn.priority(), pass).await?;
+    Ok(match stale.lock().ok().and_then(|mut s| s.take()) {
+        Some(what) => Passed::Stale(what),
+        None => Passed::Decided(action),
+    })
 }
 
 /// One pass: observe → decide → act → status. Public so a test can drive it over stores it holds
 /// back, as a lagging watch would.
 pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
+    pass_noting_stale(mm, ctx, &Mutex::new(None)).await
+}
+
+/// [`pass`], naming in `stale` the object whose store lagged when it decided nothing for that.
+async fn pass_noting_stale(
+    mm: Arc<MetalMachine>,
+    ctx: &MachineContext,
+    stale: &Mutex<Option<String>>,
+) -> Result<Action, ReconcileError> {
     let observed = match observe::observe(ctx, mm.clone()).await {
         Observation::Ready(o) => o,
         Observation::Stale(what) => {
             tracing::debug!(%what, "store has not seen our last write yet");
+            if let Ok(mut s) = stale.lock() {
+                *s = Some(what);
+            }
             return Ok(Action::requeue(Duration::from_millis(250)));
         }
     };
@@ -369,6 +490,10 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
         note,
     } = decide::decide(&observed, &ctx.policy);
     tracing::debug!(?step, "decided");
+    let called_back = matches!(step, decide::Step::RecordProvisioned { .. });
+    if called_back && let BootObservation::Record(record) = &observed.boot {
+        observe_since_callback("decided", record);
+    }
     let key = super::key(mm.as_ref());
     let acting = async {
         let acted = act::act(ctx, &observed, &step).await;
@@ -388,7 +513,6 @@ pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action,
     };
     // A called-back host waits on these two writes (providerID, then ready): they skip the
     // manager's queue of apiserver requests.
-    let called_back = matches!(step, decide::Step::RecordProvisioned { .. });
     let (acted, written) = if called_back {
         crate::kubeconn::gate::urgent(acting).await
     } else {
@@ -653,10 +777,10 @@ mod tests {
     #[tokio::test]
     async fn passes_over_one_machine_take_turns_and_their_lock_is_forgotten() {
         let locks = PassLocks::default();
-        let first = locks.lock("MetalMachine/ns/a").await;
-        let other = locks.lock("MetalMachine/ns/b").await;
+        let first = locks.lock("MetalMachine/ns/a", false).await;
+        let other = locks.lock("MetalMachine/ns/b", false).await;
         assert_eq!(locks.len(), 2);
-        let mut second = std::pin::pin!(locks.lock("MetalMachine/ns/a"));
+        let mut second = std::pin::pin!(locks.lock("MetalMachine/ns/a", false));
         assert!(
             futures::poll!(second.as_mut()).is_pending(),
             "a second pass over a waits"
@@ -670,6 +794,40 @@ mod tests {
             locks.is_empty(),
             "nothing holds or awaits a lock: all forgotten"
         );
+    }
+
+    /// A callback's pass waiting for a machine's turn raises the priority of the pass holding it,
+    /// and of every pass taking it before the callback's; other passes stay in the crowd.
+    #[tokio::test]
+    async fn a_callback_waiting_for_a_turn_raises_the_passes_ahead_of_it() {
+        let locks = PassLocks::default();
+        let holding = locks.lock("MetalMachine/ns/a", false).await;
+        let other = locks.lock("MetalMachine/ns/b", false).await;
+        assert!(!holding.priority().is_raised(), "no callback waits yet");
+        let mut queued = std::pin::pin!(locks.lock("MetalMachine/ns/a", false));
+        assert!(futures::poll!(queued.as_mut()).is_pending());
+        let mut callback = std::pin::pin!(locks.lock("MetalMachine/ns/a", true));
+        assert!(futures::poll!(callback.as_mut()).is_pending());
+        assert!(
+            holding.priority().is_raised(),
+            "the pass the callback waits for is raised"
+        );
+        assert!(
+            !other.priority().is_raised(),
+            "another machine's pass is not"
+        );
+        drop(holding);
+        let queued = queued.await;
+        assert!(
+            queued.priority().is_raised(),
+            "a pass taking the turn before the callback's is raised"
+        );
+        drop(queued);
+        let callback = callback.await;
+        assert!(callback.priority().is_raised(), "the callback's own pass");
+        drop(callback);
+        let after = locks.lock("MetalMachine/ns/a", false).await;
+        assert!(!after.priority().is_raised(), "no callback waits any more");
     }
 
     /// A host wakes waiting machines when it becomes claimable, not on every change while it
