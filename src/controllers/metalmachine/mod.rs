@@ -145,6 +145,30 @@ pub struct Turns {
     callbacks_waiting: std::sync::atomic::AtomicUsize,
 }
 
+/// A callback's pass counted as waiting for a turn, until it has the turn or is dropped while it
+/// waits (the lane stopping): the count never outlives the wait.
+struct CallbackWaiting(Arc<Turns>);
+
+impl CallbackWaiting {
+    fn new(turns: &Arc<Turns>) -> Self {
+        turns
+            .callbacks_waiting
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if let Ok(holder) = turns.holder.lock() {
+            holder.raise();
+        }
+        Self(turns.clone())
+    }
+}
+
+impl Drop for CallbackWaiting {
+    fn drop(&mut self) {
+        self.0
+            .callbacks_waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// A machine's turn; the lock is forgotten when no other pass awaits it.
 pub struct PassTurn<'a> {
     locks: &'a PassLocks,
@@ -171,22 +195,21 @@ impl PassLocks {
             // A poisoned map: serialize nothing rather than stop every pass.
             Err(_) => Arc::default(),
         };
-        if for_callback {
-            turns.callbacks_waiting.fetch_add(1, Ordering::SeqCst);
-            if let Ok(holder) = turns.holder.lock() {
-                holder.raise();
-            }
-        }
+        let waiting = for_callback.then(|| CallbackWaiting::new(&turns));
         let guard = turns.lock.clone().lock_owned().await;
-        if for_callback {
-            turns.callbacks_waiting.fetch_sub(1, Ordering::SeqCst);
-        }
+        drop(waiting);
+        // Read and set under the holder's lock: a callback that starts waiting meanwhile either
+        // is counted here or raises the priority set here (it counts itself, then takes this
+        // lock to raise the holder).
         let priority = Priority::default();
-        if for_callback || turns.callbacks_waiting.load(Ordering::SeqCst) > 0 {
-            priority.raise();
-        }
-        if let Ok(mut holder) = turns.holder.lock() {
-            *holder = priority.clone();
+        match turns.holder.lock() {
+            Ok(mut holder) => {
+                if for_callback || turns.callbacks_waiting.load(Ordering::SeqCst) > 0 {
+                    priority.raise();
+                }
+                *holder = priority.clone();
+            }
+            Err(_) => priority.raise(),
         }
         PassTurn {
             locks: self,
@@ -266,13 +289,13 @@ pub enum Passed {
 /// (38 s p99 at N=1000); here its pass starts when the callback is recorded. The controller
 /// still gets the notice and passes again after.
 pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
-    let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
-        return;
-    };
     let callback = notice.recorded.as_ref().map(|r| r.written.clone());
     if let Some(secret) = &callback {
         record_callback_stage("recorded", secret);
     }
+    let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
+        return;
+    };
     let machine = ObjectRef::new(&notice.metal_machine).within(&notice.namespace);
     let ctx = ctx.clone();
     tokio::spawn(async move {
@@ -826,6 +849,22 @@ mod tests {
         let callback = callback.await;
         assert!(callback.priority().is_raised(), "the callback's own pass");
         drop(callback);
+        let after = locks.lock("MetalMachine/ns/a", false).await;
+        assert!(!after.priority().is_raised(), "no callback waits any more");
+    }
+
+    /// A callback's pass dropped while it waits for the turn (the lane stopping) stops raising
+    /// the passes that take the turn after.
+    #[tokio::test]
+    async fn a_callback_dropped_while_waiting_raises_nothing_after() {
+        let locks = PassLocks::default();
+        let holding = locks.lock("MetalMachine/ns/a", false).await;
+        {
+            let mut callback = std::pin::pin!(locks.lock("MetalMachine/ns/a", true));
+            assert!(futures::poll!(callback.as_mut()).is_pending());
+        }
+        assert!(holding.priority().is_raised(), "raised while it waited");
+        drop(holding);
         let after = locks.lock("MetalMachine/ns/a", false).await;
         assert!(!after.priority().is_raised(), "no callback waits any more");
     }
