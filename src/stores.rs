@@ -222,13 +222,17 @@ pub fn watch_boot_secrets(
     SharedStore::new().run_keeping(api, boot_secrets(), crate::boot::tokens::keep_in_store)
 }
 
-/// Waits for `store`'s first full list. `Store::wait_until_ready` wakes only one waiter (it sits on
-/// a oneshot channel, and a controller's own applier waits on the same store), so a second waiter
-/// can sleep forever; re-polling on a short timeout makes a lost wakeup cost at most that long.
-pub async fn until_ready<K>(store: &Store<K>)
+/// Waits for `store`'s first full list: true once listed, false if its writer is gone (its
+/// watch stopped), when nothing will ever fill it. `Store::wait_until_ready` wakes only one
+/// waiter (it sits on a oneshot channel, and a controller's own applier waits on the same
+/// store), so a second waiter can sleep forever; re-polling on a short timeout makes a lost
+/// wakeup cost at most that long. A store that never lists (a missing CRD, a forbidden list) is
+/// said in a warning every 30 s for the whole process, not once per waiting pass.
+pub async fn until_ready<K>(store: &Store<K>) -> bool
 where
     K: Resource<DynamicType = ()> + Clone + 'static,
 {
+    let started = std::time::Instant::now();
     loop {
         match tokio::time::timeout(
             std::time::Duration::from_millis(250),
@@ -236,12 +240,34 @@ where
         )
         .await
         {
-            Ok(Ok(())) => return,
-            // The writer is gone (its controller stopped): nothing will ever fill the store.
-            Ok(Err(_)) => return,
-            Err(_) => continue,
+            Ok(Ok(())) => return true,
+            Ok(Err(_)) => return false,
+            Err(_) => {
+                if started.elapsed() > UNLISTED_WARNING_EVERY {
+                    warn_unlisted(K::kind(&()).as_ref());
+                }
+            }
         }
     }
+}
+
+const UNLISTED_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// One warning per `UNLISTED_WARNING_EVERY` across every waiter.
+fn warn_unlisted(kind: &str) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let Ok(mut last) = LAST.lock() else {
+        return;
+    };
+    if last.is_some_and(|at| at.elapsed() < UNLISTED_WARNING_EVERY) {
+        return;
+    }
+    *last = Some(std::time::Instant::now());
+    tracing::warn!(
+        kind,
+        waited_seconds = UNLISTED_WARNING_EVERY.as_secs(),
+        "passes wait for the first list of this kind's watch (see its watch errors: a missing CRD or a forbidden list?)"
+    );
 }
 
 /// The reflectors of the manager: one watch per kind, shared by every controller and the boot

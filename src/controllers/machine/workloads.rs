@@ -26,6 +26,9 @@ struct Workload {
     nodes: NodesByProviderId,
     /// The Node store behind `nodes`: until its first list, no Node is "missing".
     store: reflector::Store<Node>,
+    /// Until when passes wait for that first list; after it, they say the cluster is
+    /// unreachable at once (a cluster that never lists must not hold every pass 10 s).
+    list_deadline: Instant,
     watch: JoinHandle<()>,
 }
 
@@ -130,10 +133,17 @@ impl Workloads {
         let cached = self.clusters.lock().ok().and_then(|map| {
             map.get(&cache_key)
                 .filter(|w| w.checked.elapsed() < self.recheck)
-                .map(|w| (w.client.clone(), w.nodes.clone(), w.store.clone()))
+                .map(|w| {
+                    (
+                        w.client.clone(),
+                        w.nodes.clone(),
+                        w.store.clone(),
+                        w.list_deadline,
+                    )
+                })
         });
-        if let Some((client, nodes, store)) = cached {
-            listed(&store, cluster).await?;
+        if let Some((client, nodes, store, deadline)) = cached {
+            listed(&store, deadline, cluster).await?;
             return Ok((client, nodes));
         }
         let secret_name = format!("{cluster}-kubeconfig");
@@ -156,11 +166,16 @@ impl Workloads {
                 .filter(|w| w.version == version)
                 .map(|w| {
                     w.checked = Instant::now();
-                    (w.client.clone(), w.nodes.clone(), w.store.clone())
+                    (
+                        w.client.clone(),
+                        w.nodes.clone(),
+                        w.store.clone(),
+                        w.list_deadline,
+                    )
                 })
         });
-        if let Some((client, nodes, store)) = unchanged {
-            listed(&store, cluster).await?;
+        if let Some((client, nodes, store, deadline)) = unchanged {
+            listed(&store, deadline, cluster).await?;
             return Ok((client, nodes));
         }
         let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
@@ -215,29 +230,47 @@ impl Workloads {
             client: workload.clone(),
             nodes: nodes.clone(),
             store: store.clone(),
+            list_deadline: Instant::now() + LIST_WAIT,
             watch,
         };
         // Inserting drops (and so stops) the watch of the kubeconfig this one replaces.
         if let Ok(mut map) = self.clusters.lock() {
             map.insert(cache_key, entry);
         }
-        listed(&store, cluster).await?;
+        listed(&store, Instant::now() + LIST_WAIT, cluster).await?;
         Ok((workload, nodes))
     }
 }
 
-/// Waits (10 s at most) for the Node store's first list. Every pass waits, not only the one that
-/// started the watch: a pass that found the entry while the list was still under way would read
-/// no Node as "the Node is missing".
-async fn listed(store: &reflector::Store<Node>, cluster: &str) -> Result<(), Unavailable> {
-    tokio::time::timeout(Duration::from_secs(10), crate::stores::until_ready(store))
-        .await
-        .map_err(|_| {
-            (
-                "WorkloadClusterUnreachable",
-                format!("no answer from the workload cluster of {cluster} within 10 s"),
-            )
-        })
+/// How long passes wait for a workload cluster's first list of Nodes.
+const LIST_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits, until `deadline` at most, for the Node store's first list. Every pass waits, not only
+/// the one that started the watch: a pass that found the entry while the list was still under
+/// way would read no Node as "the Node is missing". A store whose watch was replaced (a new
+/// kubeconfig) is never filled: that is no list either.
+async fn listed(
+    store: &reflector::Store<Node>,
+    deadline: Instant,
+    cluster: &str,
+) -> Result<(), Unavailable> {
+    let wait = deadline.saturating_duration_since(Instant::now());
+    match tokio::time::timeout(wait, crate::stores::until_ready(store)).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err((
+            "WorkloadClusterUnreachable",
+            format!(
+                "the Node watch of the workload cluster of {cluster} was replaced; reading again"
+            ),
+        )),
+        Err(_) => Err((
+            "WorkloadClusterUnreachable",
+            format!(
+                "no answer from the workload cluster of {cluster} within {} s",
+                LIST_WAIT.as_secs()
+            ),
+        )),
+    }
 }
 
 #[cfg(test)]
