@@ -40,84 +40,102 @@ fn manager_options(namespace: &str) -> metalboot::manager::ManagerOptions {
     }
 }
 
-/// Every Machine seen out of Running, every MetalMachine seen not ready or not Provisioned and
-/// every MetalHost seen out of Provisioned, and every MetalCluster seen not ready, from now on (the watches' first lists included).
+/// What a set of watches saw from the moment they started (their first lists included): every
+/// object whose status went back, and the last resourceVersion of each object.
+#[derive(Default)]
+struct Recorder {
+    went_back: std::sync::Mutex<Vec<String>>,
+    versions: std::sync::Mutex<BTreeMap<String, String>>,
+}
+
+impl Recorder {
+    /// Watches `api`, noting each object for which `went_back` says how its status went back.
+    fn watch<K>(
+        self: &Arc<Self>,
+        api: Api<K>,
+        kind: &'static str,
+        went_back: impl Fn(&K) -> Option<String> + Send + 'static,
+    ) where
+        K: kube::Resource
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
+        use futures::StreamExt;
+        use kube::runtime::watcher;
+        let recorder = self.clone();
+        let mut stream = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .applied_objects()
+            .boxed();
+        tokio::spawn(async move {
+            while let Some(item) = stream.next().await {
+                // A watch error is retried by the backoff; recording goes on.
+                let Ok(object) = item else { continue };
+                let name = format!("{kind} {}", object.name_any());
+                if let Some(what) = went_back(&object)
+                    && let Ok(mut v) = recorder.went_back.lock()
+                {
+                    v.push(format!("{name}: {what}"));
+                }
+                if let Ok(mut versions) = recorder.versions.lock() {
+                    versions.insert(name, object.resource_version().unwrap_or_default());
+                }
+            }
+        });
+    }
+
+    /// Whether the watches have seen every object of `kind` at (at least) the version listed.
+    fn has_seen<K: kube::Resource>(&self, kind: &str, listed: &[K]) -> bool {
+        let Ok(versions) = self.versions.lock() else {
+            return false;
+        };
+        listed.iter().all(|o| {
+            versions.get(&format!("{kind} {}", o.name_any())) == o.resource_version().as_ref()
+        })
+    }
+}
+
+/// Records every Machine seen out of Running, every MetalMachine seen not ready or not
+/// Provisioned, every MetalHost seen out of Provisioned and every MetalCluster seen not ready.
 fn record_status_regressions(
     machines: &Api<Machine>,
     metal_machines: &Api<MetalMachine>,
     hosts: &Api<MetalHost>,
-) -> Arc<std::sync::Mutex<Vec<String>>> {
-    use futures::StreamExt;
-    use kube::runtime::watcher;
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let record = |seen: &Arc<std::sync::Mutex<Vec<String>>>, what: String| {
-        if let Ok(mut v) = seen.lock() {
-            v.push(what);
-        }
-    };
-    let out = seen.clone();
-    let mut stream = watcher(machines.clone(), watcher::Config::default())
-        .applied_objects()
-        .boxed();
-    tokio::spawn(async move {
-        while let Some(Ok(m)) = stream.next().await {
-            let phase = m.status.as_ref().and_then(|s| s.phase.clone());
-            if phase.as_deref() != Some("Running") {
-                record(&out, format!("Machine {} {phase:?}", m.name_any()));
-            }
-        }
+) -> Arc<Recorder> {
+    let recorder = Arc::new(Recorder::default());
+    recorder.watch(machines.clone(), "Machine", |m: &Machine| {
+        let phase = m.status.as_ref().and_then(|s| s.phase.clone());
+        (phase.as_deref() != Some("Running")).then(|| format!("phase {phase:?}"))
     });
-    let out = seen.clone();
-    let mut stream = watcher(metal_machines.clone(), watcher::Config::default())
-        .applied_objects()
-        .boxed();
-    tokio::spawn(async move {
-        while let Some(Ok(mm)) = stream.next().await {
+    recorder.watch(
+        metal_machines.clone(),
+        "MetalMachine",
+        |mm: &MetalMachine| {
             let status = mm.status.clone().unwrap_or_default();
             let phase = format!("{:?}", status.phase);
-            if !status.ready || phase != "Some(Provisioned)" {
-                record(
-                    &out,
-                    format!(
-                        "MetalMachine {} ready={} {phase}",
-                        mm.name_any(),
-                        status.ready
-                    ),
-                );
-            }
-        }
+            (!status.ready || phase != "Some(Provisioned)")
+                .then(|| format!("ready={} phase {phase}", status.ready))
+        },
+    );
+    recorder.watch(hosts.clone(), "MetalHost", |h: &MetalHost| {
+        let state = h.status.as_ref().and_then(|s| s.state);
+        (state != Some(HostState::Provisioned)).then(|| format!("state {state:?}"))
     });
-    let out = seen.clone();
-    let mut stream = watcher(
+    recorder.watch(
         Api::<metalboot::api::MetalCluster>::namespaced(
             hosts.clone().into_client(),
             hosts.namespace().unwrap_or("default"),
         ),
-        watcher::Config::default(),
-    )
-    .applied_objects()
-    .boxed();
-    tokio::spawn(async move {
-        while let Some(Ok(c)) = stream.next().await {
-            let ready = c.status.as_ref().is_some_and(|s| s.ready);
-            if !ready {
-                record(&out, format!("MetalCluster {} not ready", c.name_any()));
-            }
-        }
-    });
-    let out = seen.clone();
-    let mut stream = watcher(hosts.clone(), watcher::Config::default())
-        .applied_objects()
-        .boxed();
-    tokio::spawn(async move {
-        while let Some(Ok(h)) = stream.next().await {
-            let state = h.status.as_ref().and_then(|s| s.state);
-            if state != Some(HostState::Provisioned) {
-                record(&out, format!("MetalHost {} {state:?}", h.name_any()));
-            }
-        }
-    });
-    seen
+        "MetalCluster",
+        |c: &metalboot::api::MetalCluster| {
+            (!c.status.as_ref().is_some_and(|s| s.ready)).then(|| "not ready".to_string())
+        },
+    );
+    recorder
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,9 +302,43 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
     // Restart: the new manager's passes decide nothing from stores that have not listed yet. No
     // Machine leaves Running, no MetalMachine stops being ready or Provisioned, no MetalHost
     // leaves Provisioned, no host is touched.
-    let went_back = record_status_regressions(&machines, &metal_machines, &hosts);
-    let passes = || ["machine", "metalmachine", "metalhost"].map(metalboot::metrics::reconciles);
-    let before = passes();
+    let recorder = record_status_regressions(&machines, &metal_machines, &hosts);
+    // Each object's finished passes, by the manager's own count.
+    let passes = |controller: &str, names: &[String]| {
+        names
+            .iter()
+            .map(|n| metalboot::metrics::passes_of(controller, &format!("{}/{n}", ns.name)))
+            .collect::<Vec<u64>>()
+    };
+    let machine_names: Vec<String> = machines
+        .list(&ListParams::default())
+        .await
+        .expect("list")
+        .items
+        .iter()
+        .map(|m| m.name_any())
+        .collect();
+    let mm_names: Vec<String> = metal_machines
+        .list(&ListParams::default())
+        .await
+        .expect("list")
+        .items
+        .iter()
+        .map(|m| m.name_any())
+        .collect();
+    let host_names: Vec<String> = hosts
+        .list(&ListParams::default())
+        .await
+        .expect("list")
+        .items
+        .iter()
+        .map(|h| h.name_any())
+        .collect();
+    let before = [
+        passes("machine", &machine_names),
+        passes("metalmachine", &mm_names),
+        passes("metalhost", &host_names),
+    ];
     drop(manager);
     let manager = metalboot::manager::start(ns.client.clone(), manager_options(&ns.name))
         .await
@@ -295,19 +347,45 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
         "every Machine, MetalMachine and MetalHost passed by the restarted manager",
         120,
         || async {
-            let after = passes();
-            (0..3)
-                .all(|i| after[i] >= before[i] + u64::from(N))
-                .then_some(())
+            let after = [
+                passes("machine", &machine_names),
+                passes("metalmachine", &mm_names),
+                passes("metalhost", &host_names),
+            ];
+            let all_passed = after
+                .iter()
+                .zip(&before)
+                .all(|(a, b)| a.iter().zip(b).all(|(a, b)| a > b));
+            all_passed.then_some(())
         },
     )
+    .await;
+    // Whatever those passes wrote has reached the recording watches: each has seen every object
+    // at the version a list after the passes shows.
+    support::eventually("the recording watches caught up", 60, || async {
+        let m = machines.list(&ListParams::default()).await.ok()?.items;
+        let mm = metal_machines
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items;
+        let h = hosts.list(&ListParams::default()).await.ok()?.items;
+        (recorder.has_seen("Machine", &m)
+            && recorder.has_seen("MetalMachine", &mm)
+            && recorder.has_seen("MetalHost", &h))
+        .then_some(())
+    })
     .await;
     let restarted = fleet.stats();
     assert_eq!(
         restarted.actions_after_callback, 0,
         "the restart touched a host that called back: {restarted:?}"
     );
-    let went_back = went_back.lock().map(|v| v.clone()).unwrap_or_default();
+    let went_back = recorder
+        .went_back
+        .lock()
+        .map(|v| v.clone())
+        .unwrap_or_default();
     assert!(
         went_back.is_empty(),
         "status went back after the restart: {went_back:?}"
