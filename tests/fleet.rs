@@ -99,6 +99,20 @@ impl Recorder {
     }
 }
 
+/// The names of every object `api` lists now.
+async fn names_of<K>(api: &Api<K>) -> Vec<String>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.list(&ListParams::default())
+        .await
+        .expect("list")
+        .items
+        .iter()
+        .map(|o| o.name_any())
+        .collect()
+}
+
 /// Records every Machine seen out of Running, every MetalMachine seen not ready or not
 /// Provisioned, every MetalHost seen out of Provisioned and every MetalCluster seen not ready.
 fn record_status_regressions(
@@ -310,30 +324,9 @@ async fn fifty_simulated_hosts_provision_and_release_without_a_reset_after_their
             .map(|n| metalboot::metrics::passes_of(controller, &format!("{}/{n}", ns.name)))
             .collect::<Vec<u64>>()
     };
-    let machine_names: Vec<String> = machines
-        .list(&ListParams::default())
-        .await
-        .expect("list")
-        .items
-        .iter()
-        .map(|m| m.name_any())
-        .collect();
-    let mm_names: Vec<String> = metal_machines
-        .list(&ListParams::default())
-        .await
-        .expect("list")
-        .items
-        .iter()
-        .map(|m| m.name_any())
-        .collect();
-    let host_names: Vec<String> = hosts
-        .list(&ListParams::default())
-        .await
-        .expect("list")
-        .items
-        .iter()
-        .map(|h| h.name_any())
-        .collect();
+    let machine_names = names_of(&machines).await;
+    let mm_names = names_of(&metal_machines).await;
+    let host_names = names_of(&hosts).await;
     let before = [
         passes("machine", &machine_names),
         passes("metalmachine", &mm_names),

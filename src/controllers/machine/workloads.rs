@@ -32,6 +32,33 @@ struct Workload {
     watch: JoinHandle<()>,
 }
 
+/// What a pass takes from a cached [`Workload`], outside the cache's lock.
+struct Handles {
+    client: kube::Client,
+    nodes: NodesByProviderId,
+    store: reflector::Store<Node>,
+    list_deadline: Instant,
+}
+
+impl Workload {
+    fn handles(&self) -> Handles {
+        Handles {
+            client: self.client.clone(),
+            nodes: self.nodes.clone(),
+            store: self.store.clone(),
+            list_deadline: self.list_deadline,
+        }
+    }
+}
+
+impl Handles {
+    /// The client and Nodes, once the Nodes have listed (see [`listed`]).
+    async fn listed(self, cluster: &str) -> Result<(kube::Client, NodesByProviderId), Unavailable> {
+        listed(&self.store, self.list_deadline, cluster).await?;
+        Ok((self.client, self.nodes))
+    }
+}
+
 impl Drop for Workload {
     fn drop(&mut self) {
         self.watch.abort();
@@ -133,18 +160,10 @@ impl Workloads {
         let cached = self.clusters.lock().ok().and_then(|map| {
             map.get(&cache_key)
                 .filter(|w| w.checked.elapsed() < self.recheck)
-                .map(|w| {
-                    (
-                        w.client.clone(),
-                        w.nodes.clone(),
-                        w.store.clone(),
-                        w.list_deadline,
-                    )
-                })
+                .map(Workload::handles)
         });
-        if let Some((client, nodes, store, deadline)) = cached {
-            listed(&store, deadline, cluster).await?;
-            return Ok((client, nodes));
+        if let Some(handles) = cached {
+            return handles.listed(cluster).await;
         }
         let secret_name = format!("{cluster}-kubeconfig");
         let secret = Api::<Secret>::namespaced(client.clone(), namespace)
@@ -166,17 +185,11 @@ impl Workloads {
                 .filter(|w| w.version == version)
                 .map(|w| {
                     w.checked = Instant::now();
-                    (
-                        w.client.clone(),
-                        w.nodes.clone(),
-                        w.store.clone(),
-                        w.list_deadline,
-                    )
+                    w.handles()
                 })
         });
-        if let Some((client, nodes, store, deadline)) = unchanged {
-            listed(&store, deadline, cluster).await?;
-            return Ok((client, nodes));
+        if let Some(handles) = unchanged {
+            return handles.listed(cluster).await;
         }
         let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
         let value = secret
