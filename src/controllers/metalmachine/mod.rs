@@ -289,10 +289,13 @@ pub enum Passed {
 /// (38 s p99 at N=1000); here its pass starts when the callback is recorded. The controller
 /// still gets the notice and passes again after.
 pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
-    let callback = notice.recorded.as_ref().map(|r| r.written.clone());
-    if let Some(secret) = &callback {
-        record_callback_stage("recorded", secret);
-    }
+    // When the host called back, read once from the recording write for every stage below.
+    let called = notice
+        .recorded
+        .as_ref()
+        .and_then(|r| crate::boot::tokens::parse_boot_secret(&r.written).ok())
+        .and_then(|record| called_back_at(&record));
+    observe_stage("recorded", called);
     let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
         return;
     };
@@ -308,18 +311,17 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
             if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
                 return;
             }
-            if let Some(secret) = &callback {
-                record_callback_stage("lane", secret);
-            }
+            observe_stage("lane", called);
             // A store that has not shown this manager's last write yet would hand the callback
             // to the controller's queue (seconds under a burst): the lane looks again shortly.
             for attempt in 0..LANE_STALE_TRIES {
-                let lane = callback.as_deref().map(|s| (s, attempt == 0));
-                match pass_in_turn(mm.clone(), &ctx, lane).await {
+                let lane = LanePass {
+                    called,
+                    measure_turn: attempt == 0,
+                };
+                match pass_in_turn(mm.clone(), &ctx, Some(lane)).await {
                     Ok(Passed::Stale(_)) => {
-                        if let Some(secret) = &callback {
-                            record_callback_stage("stale", secret);
-                        }
+                        observe_stage("stale", called);
                         tokio::time::sleep(LANE_STALE_WAIT).await;
                     }
                     Ok(Passed::Decided(_)) => break,
@@ -387,11 +389,12 @@ fn with_fault(
     status
 }
 
-/// Seconds from the callback recorded in `secret` (a boot Secret) to now, as `stage`.
-fn record_callback_stage(stage: &str, secret: &k8s_openapi::api::core::v1::Secret) {
-    if let Ok(record) = crate::boot::tokens::parse_boot_secret(secret) {
-        observe_since_callback(stage, &record);
-    }
+/// A callback-lane pass: when the host called back (if its record says), and whether this try
+/// measures the wait for the machine's turn (the first does).
+#[derive(Clone, Copy)]
+struct LanePass {
+    called: Option<jiff::Timestamp>,
+    measure_turn: bool,
 }
 
 /// When the host called back, per its boot record.
@@ -402,7 +405,12 @@ fn called_back_at(record: &BootRecord) -> Option<jiff::Timestamp> {
 /// Seconds from the callback in `record` to now, as `stage` (the callback's latency is split
 /// into stages, so a slow p99 says where it waited).
 fn observe_since_callback(stage: &str, record: &BootRecord) {
-    if let Some(called) = called_back_at(record) {
+    observe_stage(stage, called_back_at(record));
+}
+
+/// Seconds from `called` (the callback) to now, as `stage`.
+fn observe_stage(stage: &str, called: Option<jiff::Timestamp>) {
+    if let Some(called) = called {
         crate::metrics::observe_callback_latency(
             stage,
             jiff::Timestamp::now()
@@ -457,18 +465,18 @@ async fn reconcile(
 }
 
 /// A pass in the machine's turn (controller and callback lane alike), deciding from the store's
-/// copy as of the turn: the other path's pass may have run while this one waited. `lane`: the
-/// boot Secret that recorded the callback a lane pass acts on, and whether to measure its wait.
+/// copy as of the turn: the other path's pass may have run while this one waited. `lane`: set
+/// for a callback-lane pass.
 async fn pass_in_turn(
     mm: Arc<MetalMachine>,
     ctx: &MachineContext,
-    lane: Option<(&k8s_openapi::api::core::v1::Secret, bool)>,
+    lane: Option<LanePass>,
 ) -> Result<Passed, ReconcileError> {
     let object = super::key(mm.as_ref());
     ctx.stores.until_listed().await;
     let turn = ctx.pass_locks.lock(&object, lane.is_some()).await;
-    if let Some((secret, true)) = lane {
-        record_callback_stage("turn", secret);
+    if let Some(lane) = lane.filter(|l| l.measure_turn) {
+        observe_stage("turn", lane.called);
     }
     let mm = ctx
         .stores
