@@ -195,9 +195,24 @@ pub fn lean_controller<K>(api: Api<K>, config: watcher::Config) -> kube::runtime
 where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
 {
+    lean_controller_keeping(api, config, |_| {})
+}
+
+/// `lean_controller` whose store also drops what `keep` removes from each object.
+pub fn lean_controller_keeping<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    keep: impl FnMut(&mut K) + Send + 'static,
+) -> kube::runtime::Controller<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+{
     let (store, writer) = reflector::store();
-    let changes = reflector::reflector(writer, lean(watcher(api, config)).default_backoff())
-        .applied_objects();
+    let changes = reflector::reflector(
+        writer,
+        lean(watcher(api, config)).modify(keep).default_backoff(),
+    )
+    .applied_objects();
     kube::runtime::Controller::for_stream(changes, store)
 }
 
