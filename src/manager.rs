@@ -332,8 +332,8 @@ pub async fn start(
                 metal_machines: Some(stores.metal_machines.clone()),
             });
             let controller = machine::controller(
-                client.clone(),
-                namespace,
+                reflectors.machines.subscribe(),
+                stores.machines.clone(),
                 reflectors.clusters.subscribe(),
                 reflectors.metal_machines.subscribe(),
                 wake,

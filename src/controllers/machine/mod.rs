@@ -323,7 +323,23 @@ async fn write_status_at(
     Ok(written)
 }
 
-async fn reconcile(m: Arc<Machine>, ctx: Arc<MachineContext>) -> Result<Action, ReconcileError> {
+async fn reconcile(
+    guarded: Arc<DeserializeGuard<Machine>>,
+    ctx: Arc<MachineContext>,
+) -> Result<Action, ReconcileError> {
+    let m = match &guarded.0 {
+        Ok(m) => Arc::new(m.clone()),
+        // Not ours to fix or write to: a Machine that does not parse (a permissive CRD, a newer
+        // upstream shape) waits for its next change.
+        Err(invalid) => {
+            tracing::warn!(
+                machine = %ObjectRef::from_obj(guarded.as_ref()),
+                error = %invalid.error.chars().take(300).collect::<String>(),
+                "Machine does not parse; left alone until it changes"
+            );
+            return Ok(Action::await_change());
+        }
+    };
     if !passes_watch_filter(m.as_ref(), ctx.watch_filter.as_deref()) {
         return Ok(Action::await_change());
     }
@@ -378,35 +394,27 @@ async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Reconcile
     })
 }
 
-fn error_policy(m: Arc<Machine>, error: &ReconcileError, ctx: Arc<MachineContext>) -> Action {
+fn error_policy(
+    m: Arc<DeserializeGuard<Machine>>,
+    error: &ReconcileError,
+    ctx: Arc<MachineContext>,
+) -> Action {
     ctx.backoff
         .after_failure("Machine", &key(m.as_ref()), error)
 }
 
-/// Watches Machines, the kinds they own that metalboot serves, their Clusters (shared stream)
-/// and whatever `Triggers` reports.
+/// Watches Machines (the manager's shared stream and store: one copy of each Machine for every
+/// controller), the kinds they own that metalboot serves, their Clusters (shared stream) and
+/// whatever `Triggers` reports.
 pub fn controller(
-    client: kube::Client,
-    namespace: Option<&str>,
+    machines: crate::stores::Changes<DeserializeGuard<Machine>>,
+    store: Store<DeserializeGuard<Machine>>,
     clusters: crate::stores::Changes<DeserializeGuard<Cluster>>,
     metal_machines: crate::stores::Changes<MetalMachine>,
     triggers: impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
-) -> Controller<Machine> {
-    fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
-    where
-        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
-    {
-        match namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        }
-    }
-    let controller = crate::stores::lean_controller(
-        api::<Machine>(&client, namespace),
-        watcher::Config::default(),
-    );
-    let machines = controller.store();
-    controller
+) -> Controller<DeserializeGuard<Machine>> {
+    let by_cluster = store.clone();
+    Controller::for_shared_stream(machines, store)
         // The shared stream, not a watch of its own: the store `observe` reads is updated
         // before this wakes the Machine.
         .watches_shared_stream(metal_machines, |mm| {
@@ -420,17 +428,22 @@ pub fn controller(
         .watches_shared_stream(clusters, move |cluster| {
             let namespace = cluster.meta().namespace.clone();
             let name = cluster.meta().name.clone().unwrap_or_default();
-            machines
+            by_cluster
                 .state()
                 .into_iter()
-                .filter(|m| m.namespace() == namespace && m.spec.cluster_name == name)
-                .map(|m| ObjectRef::from_obj(m.as_ref()))
+                .filter(|guarded| {
+                    guarded
+                        .0
+                        .as_ref()
+                        .is_ok_and(|m| m.namespace() == namespace && m.spec.cluster_name == name)
+                })
+                .map(|guarded| ObjectRef::from_obj(guarded.as_ref()))
                 .collect::<Vec<_>>()
         })
-        .reconcile_on(triggers)
+        .reconcile_on(triggers.map(|machine| machine.into_kind_unchecked(())))
 }
 
-pub async fn run(controller: Controller<Machine>, ctx: Arc<MachineContext>) {
+pub async fn run(controller: Controller<DeserializeGuard<Machine>>, ctx: Arc<MachineContext>) {
     controller
         .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
