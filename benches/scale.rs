@@ -692,12 +692,29 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     Ok(row)
 }
 
+/// Counts the manager's WARN and ERROR lines and prints the first few distinct ones (the log
+/// lives in the run's temporary directory, gone once the run ends).
 fn count_problems(log: &Path) -> usize {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let problems: Vec<&str> = text
         .lines()
         .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-        .count()
+        .collect();
+    let mut shown = std::collections::BTreeSet::new();
+    for line in &problems {
+        // Without the timestamp, so repeats of one message count once.
+        let message: String = line
+            .split_once(" WARN ")
+            .or_else(|| line.split_once(" ERROR "))
+            .map_or(*line, |(_, rest)| rest)
+            .chars()
+            .take(300)
+            .collect();
+        if shown.len() < 5 && shown.insert(message.clone()) {
+            println!("  manager log: {message}");
+        }
+    }
+    problems.len()
 }
 
 fn main() {
