@@ -327,6 +327,10 @@ async fn reconcile(
     guarded: Arc<DeserializeGuard<Machine>>,
     ctx: Arc<MachineContext>,
 ) -> Result<Action, ReconcileError> {
+    // The filter reads labels, which an unparseable Machine has too: others' Machines stay silent.
+    if !passes_watch_filter(guarded.as_ref(), ctx.watch_filter.as_deref()) {
+        return Ok(Action::await_change());
+    }
     let m = match &guarded.0 {
         Ok(m) => Arc::new(m.clone()),
         // Not ours to fix or write to: a Machine that does not parse (a permissive CRD, a newer
@@ -340,9 +344,6 @@ async fn reconcile(
             return Ok(Action::await_change());
         }
     };
-    if !passes_watch_filter(m.as_ref(), ctx.watch_filter.as_deref()) {
-        return Ok(Action::await_change());
-    }
     let object = key(m.as_ref());
     // Only listed stores can say "not found" (see `SharedStores::until_listed`).
     crate::stores::until_ready(&ctx.clusters).await;
