@@ -76,6 +76,44 @@ async fn callback_stage_buckets(boot_url: &str, stage: &str) -> Vec<(f64, f64)> 
     buckets
 }
 
+/// The manager's `metalboot_callback_lane_stale_total` by kind: which store a callback-lane pass
+/// found behind this manager's own last write (the "stale" stage says how long that cost).
+async fn callback_stale_by_kind(boot_url: &str) -> Vec<(String, f64)> {
+    labelled_counter(boot_url, "metalboot_callback_lane_stale_total{kind=\"").await
+}
+
+/// A counter of the manager's with one label, per value of that label: `prefix` is the
+/// counter's name, `{` and the label's name up to the opening quote of its value.
+async fn labelled_counter(boot_url: &str, prefix: &str) -> Vec<(String, f64)> {
+    let text = match reqwest::get(format!("{boot_url}/metrics")).await {
+        Ok(response) => response.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    text.lines()
+        .filter_map(|line| line.strip_prefix(prefix))
+        .filter_map(|rest| {
+            let (label, value) = rest.split_once("\"} ")?;
+            Some((label.to_string(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Reconcile passes per controller between two scrapes of `metalboot_reconciles_total`.
+fn passes_between(after: &[(String, f64)], before: &[(String, f64)]) -> Vec<(String, f64)> {
+    after
+        .iter()
+        .map(|(controller, n)| {
+            let earlier = before
+                .iter()
+                .find(|(c, _)| c == controller)
+                .map_or(0.0, |(_, n)| *n);
+            (controller.clone(), n - earlier)
+        })
+        .collect()
+}
+
+const PASSES: &str = "metalboot_reconciles_total{controller=\"";
+
 /// The callback's stages in the manager, in order: the boot Secret records it (the callback
 /// answered), its lane pass starts, that pass has the machine's turn, (each time a lane pass
 /// found a store behind and looks again), the pass that records it has decided, its ready
@@ -484,6 +522,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     for stage in CALLBACK_STAGES {
         stages_before.push(callback_stage_buckets(&boot_url, stage).await);
     }
+    let passes_before = labelled_counter(&boot_url, PASSES).await;
     let started = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
@@ -569,8 +608,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         }
     }
     println!(
-        "N={n} provision: callback→stage p50/p99 ms in the manager: {}",
-        split.join(", ")
+        "N={n} provision: callback→stage p50/p99 ms in the manager: {}; lane passes that found a store behind, by kind: {:?}; passes per controller: {:?}",
+        split.join(", "),
+        callback_stale_by_kind(&boot_url).await,
+        passes_between(&labelled_counter(&boot_url, PASSES).await, &passes_before)
     );
     println!(
         "N={n} provision: callback→ready p50/p99 {:.0}/{:.0} ms as the benchmark's watch saw it, {:.0}/{:.0} ms in the manager's histogram",

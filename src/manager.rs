@@ -548,15 +548,24 @@ async fn start_infrastructure(
         lane: Default::default(),
     });
     let lane_ctx = machine_ctx.clone();
+    // Notices the callback lane took reach the controller only when the lane gives them back.
+    let (handoff_tx, handoff_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
     let callbacks = futures::stream::unfold(callback_rx, move |mut rx| {
         let lane_ctx = lane_ctx.clone();
+        let handoff = handoff_tx.clone();
         async move {
             let notice = rx.recv().await?;
             lane_ctx.fresh_secrets.offer(&notice);
-            metalmachine::callback_lane(&lane_ctx, &notice);
-            Some((notice, rx))
+            let taken = metalmachine::callback_lane(&lane_ctx, &notice, handoff);
+            Some(((!taken).then_some(notice), rx))
         }
     });
+    let callbacks = futures::StreamExt::filter_map(callbacks, futures::future::ready);
+    let handed_back = futures::stream::unfold(handoff_rx, |mut rx| async move {
+        let notice = rx.recv().await?;
+        Some((notice, rx))
+    });
+    let callbacks = futures::stream::select(callbacks, handed_back);
     let machine_controller = metalmachine::controller(
         &stores,
         crate::controllers::Subscriptions::new(reflectors),

@@ -33,6 +33,7 @@ pub struct Metrics {
     pub reconcile_errors: Family<Labels, Counter>,
     pub reconcile_seconds: Family<Labels, Histogram>,
     pub store_lag: Family<Labels, Counter>,
+    pub callback_stale: Family<Labels, Counter>,
 }
 
 fn reconcile_histogram() -> Histogram {
@@ -86,6 +87,7 @@ pub fn metrics() -> &'static Metrics {
             reconcile_errors: Family::default(),
             reconcile_seconds: Family::new_with_constructor(reconcile_histogram),
             store_lag: Family::default(),
+            callback_stale: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -169,6 +171,11 @@ pub fn metrics() -> &'static Metrics {
             "controller_store_lag_checks",
             "Questions to the apiserver about a store that had not shown a controller's own write past the TTL, and before a power action, by kind and answer (behind, current, unknown, fenced)",
             m.store_lag.clone(),
+        );
+        registry.register(
+            "callback_lane_stale",
+            "Callback-lane passes that found a store behind this manager's own last write, by the kind of the object that store holds",
+            m.callback_stale.clone(),
         );
         Metrics { registry, ..m }
     })
@@ -269,6 +276,13 @@ pub fn record_store_lag(kind: &str, answer: &str) {
     metrics()
         .store_lag
         .get_or_create(&labels(&[("kind", kind), ("answer", answer)]))
+        .inc();
+}
+
+pub fn record_callback_stale(kind: &str) {
+    metrics()
+        .callback_stale
+        .get_or_create(&labels(&[("kind", kind)]))
         .inc();
 }
 

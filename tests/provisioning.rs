@@ -963,6 +963,31 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
             .is_none(),
         "the pass took the answer, used or not"
     );
+
+    // 5. The callback lane takes a notice, and gives it to the controller's queue only when it
+    //    cannot act on it: here its machine is not in the store. A lane that cannot start a
+    //    pass takes nothing; the caller queues the notice for the controller as it is.
+    let lane = Arc::new(context(Expectations::default()));
+    let (handoff, mut handed_back) = tokio::sync::mpsc::unbounded_channel();
+    let absent = metalboot::boot::http::CallbackNotice {
+        namespace: lab.ns.name.clone(),
+        metal_machine: "not-in-the-store".into(),
+        recorded: None,
+    };
+    assert!(
+        metalmachine::callback_lane(&lane, &absent, handoff.clone()),
+        "the lane takes the notice"
+    );
+    assert_eq!(
+        handed_back.recv().await,
+        Some(absent),
+        "and gives it back: it has no machine to pass over"
+    );
+    lane.lane.stop();
+    assert!(
+        !metalmachine::callback_lane(&lane, &notice(None), handoff),
+        "a stopped lane takes nothing"
+    );
 }
 
 /// What `status.bmc.bootOnce` says of host-0, once it says something.

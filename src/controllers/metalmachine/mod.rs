@@ -286,9 +286,19 @@ pub enum Passed {
 
 /// A host's callback is acted on at once, outside the controller's queue. Under a burst the
 /// controller's runner is full and a woken machine waits among hundreds in no particular order
-/// (38 s p99 at N=1000); here its pass starts when the callback is recorded. The controller
-/// still gets the notice and passes again after.
-pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
+/// (38 s p99 at N=1000); here its pass starts when the callback is recorded.
+///
+/// Returns whether a lane pass took the notice. One that did not (the lane is full) goes to the
+/// controller's queue. One that did goes there only when the lane gives it back through
+/// `handoff`: the machine had left the store, the store stayed behind for a second, or the pass
+/// failed. Sent to both, every notice also started a controller pass that waited for the
+/// lane's turn and then for the store to show the lane's writes, with nothing left to do (the
+/// boot Secret's watch wakes the controller after the callback anyway).
+pub fn callback_lane(
+    ctx: &Arc<MachineContext>,
+    notice: &CallbackNotice,
+    handoff: tokio::sync::mpsc::UnboundedSender<CallbackNotice>,
+) -> bool {
     // When the host called back, read once from the recording write for every stage below.
     let called = notice
         .recorded
@@ -297,19 +307,20 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
         .and_then(|record| called_back_at(&record));
     observe_stage("recorded", called);
     let Ok(permit) = ctx.lane.permits.clone().try_acquire_owned() else {
-        return;
+        return false;
     };
     let machine = ObjectRef::new(&notice.metal_machine).within(&notice.namespace);
     let ctx = ctx.clone();
+    let notice = notice.clone();
     tokio::spawn(async move {
         let _permit = permit;
         let stop = ctx.lane.stop.clone();
         let lane_pass = async {
             let Some(mm) = ctx.stores.metal_machines.get(&machine) else {
-                return;
+                return LaneOutcome::GiveBack;
             };
             if !passes_watch_filter(mm.as_ref(), ctx.watch_filter.as_deref()) {
-                return;
+                return LaneOutcome::Done;
             }
             observe_stage("lane", called);
             // A store that has not shown this manager's last write yet would hand the callback
@@ -320,23 +331,40 @@ pub fn callback_lane(ctx: &Arc<MachineContext>, notice: &CallbackNotice) {
                     measure_turn: attempt == 0,
                 };
                 match pass_in_turn(mm.clone(), &ctx, Some(lane)).await {
-                    Ok(Passed::Stale(_)) => {
+                    Ok(Passed::Stale(what)) => {
                         observe_stage("stale", called);
+                        crate::metrics::record_callback_stale(
+                            what.split('/').next().unwrap_or_default(),
+                        );
                         tokio::time::sleep(LANE_STALE_WAIT).await;
                     }
-                    Ok(Passed::Decided(_)) => break,
+                    Ok(Passed::Decided(_)) => return LaneOutcome::Done,
                     Err(e) => {
                         tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
-                        break;
+                        return LaneOutcome::GiveBack;
                     }
                 }
             }
+            LaneOutcome::GiveBack
         };
         tokio::select! {
             () = stop.cancelled() => {}
-            () = lane_pass => {}
+            outcome = lane_pass => {
+                if matches!(outcome, LaneOutcome::GiveBack) {
+                    // The controller's stream outlives the lane's passes; once it is gone, so
+                    // is the manager.
+                    let _ = handoff.send(notice);
+                }
+            }
         }
     });
+    true
+}
+
+/// How a callback-lane pass ended: done, or the notice goes to the controller's queue.
+enum LaneOutcome {
+    Done,
+    GiveBack,
 }
 
 async fn write_status(
