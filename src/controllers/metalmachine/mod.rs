@@ -740,6 +740,37 @@ fn claim_fingerprint(host: &MetalHost) -> u64 {
     h.finish()
 }
 
+/// The spec (generation and uid) of each owner Machine last seen, so only a Machine whose spec
+/// changed wakes its MetalMachine. A pass reads nothing of the Machine but its spec (bootstrap
+/// data, failure domain); its status changes about six times per provisioning, and each woke a
+/// MetalMachine pass that had nothing to do and held the machine's turn against its callback.
+#[derive(Default)]
+struct OwnerSpecs(Mutex<HashMap<String, (String, i64)>>);
+
+impl OwnerSpecs {
+    /// Whether `machine`'s spec is not the one last seen (or it was never seen). `machines`: how
+    /// many Machines the store holds; deletions are not sent to watchers, so past twice that the
+    /// record is cleared (each Machine then wakes its MetalMachine once more).
+    fn changed(&self, machine: &crate::api::capi::Machine, machines: usize) -> bool {
+        let Some(generation) = machine.metadata.generation else {
+            return true;
+        };
+        let spec = (machine.uid().unwrap_or_default(), generation);
+        let key = format!(
+            "{}/{}",
+            machine.namespace().unwrap_or_default(),
+            machine.name_any()
+        );
+        let Ok(mut seen) = self.0.lock() else {
+            return true;
+        };
+        if seen.len() > machines.saturating_mul(2).max(1024) {
+            seen.clear();
+        }
+        seen.insert(key, spec.clone()) != Some(spec)
+    }
+}
+
 /// The controller over the shared streams: MetalMachines, and what wakes them — their boot
 /// Secrets (owned), hosts (claims and releases), Machines (bootstrap data), Clusters (pause,
 /// infrastructure readiness) and the boot service's callbacks.
@@ -751,6 +782,8 @@ pub fn controller(
     let waiting = stores.metal_machine_index.clone();
     let freed = FreedHosts::default();
     let by_cluster = stores.metal_machines.clone();
+    let owner_specs = OwnerSpecs::default();
+    let owners = stores.machines.clone();
     Controller::for_shared_stream(subs.metal_machines, stores.metal_machines.clone())
         .owns_shared_stream(subs.boot_secrets)
         .watches_shared_stream(subs.hosts, move |host: Arc<MetalHost>| {
@@ -763,13 +796,14 @@ pub fn controller(
             }
             wake
         })
-        .watches_shared_stream(subs.machines, |machine| {
+        .watches_shared_stream(subs.machines, move |machine| {
             let namespace = machine.meta().namespace.clone().unwrap_or_default();
             machine
                 .0
                 .as_ref()
                 .ok()
                 .filter(|m| m.spec.infrastructure_ref.kind == "MetalMachine")
+                .filter(|m| owner_specs.changed(m, owners.len()))
                 .map(|m| ObjectRef::new(&m.spec.infrastructure_ref.name).within(&namespace))
         })
         .watches_shared_stream(subs.clusters, move |cluster| {
@@ -803,6 +837,30 @@ pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>)
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+    #[test]
+    fn an_owner_machine_wakes_its_metal_machine_only_when_its_spec_changes() {
+        let machine = |uid: &str, generation: i64| -> crate::api::capi::Machine {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "cluster.x-k8s.io/v1beta2",
+                "kind": "Machine",
+                "metadata": {"name": "m1", "namespace": "ns", "uid": uid, "generation": generation},
+                "spec": {"clusterName": "c1", "bootstrap": {},
+                         "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                               "kind": "MetalMachine", "name": "m1"}},
+            }))
+            .expect("a Machine")
+        };
+        let seen = OwnerSpecs::default();
+        assert!(seen.changed(&machine("u1", 1), 1), "first seen");
+        assert!(!seen.changed(&machine("u1", 1), 1), "a status write");
+        assert!(seen.changed(&machine("u1", 2), 1), "a spec write");
+        assert!(seen.changed(&machine("u2", 2), 1), "the Machine recreated");
+        let mut unversioned = machine("u2", 2);
+        unversioned.metadata.generation = None;
+        assert!(seen.changed(&unversioned, 1), "no generation: always");
+        assert!(seen.changed(&unversioned, 1), "no generation: always");
+    }
 
     /// The pass that records providerID (a spec write) stamps its status with the generation
     /// that write produced, so the next pass has nothing left to write.
