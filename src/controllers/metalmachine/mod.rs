@@ -769,6 +769,15 @@ impl OwnerSpecs {
         }
         seen.insert(key, spec.clone()) != Some(spec)
     }
+
+    /// Forgets a Machine that no longer parses: its MetalMachine's pass reads it as invalid, and
+    /// the next version that parses must wake it, even at a generation seen before (a status
+    /// write can break and mend a Machine without touching its spec).
+    fn forget(&self, namespace: &str, name: &str) {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.remove(&format!("{namespace}/{name}"));
+        }
+    }
 }
 
 /// The controller over the shared streams: MetalMachines, and what wakes them — their boot
@@ -798,6 +807,12 @@ pub fn controller(
         })
         .watches_shared_stream(subs.machines, move |machine| {
             let namespace = machine.meta().namespace.clone().unwrap_or_default();
+            if machine.0.is_err() {
+                owner_specs.forget(
+                    &namespace,
+                    machine.meta().name.as_deref().unwrap_or_default(),
+                );
+            }
             machine
                 .0
                 .as_ref()
@@ -856,6 +871,11 @@ mod tests {
         assert!(!seen.changed(&machine("u1", 1), 1), "a status write");
         assert!(seen.changed(&machine("u1", 2), 1), "a spec write");
         assert!(seen.changed(&machine("u2", 2), 1), "the Machine recreated");
+        seen.forget("ns", "m1");
+        assert!(
+            seen.changed(&machine("u2", 2), 1),
+            "mended after it did not parse: same generation, still a change"
+        );
         let mut unversioned = machine("u2", 2);
         unversioned.metadata.generation = None;
         assert!(seen.changed(&unversioned, 1), "no generation: always");
