@@ -6,7 +6,6 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, Patch, PostParams, Preconditions};
-use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use crate::api::metalhost::{ConsumerReference, PowerState};
@@ -334,10 +333,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 provider_id: &provider_id,
                 mode: *mode,
             });
-            let current = ctx
-                .stores
-                .boot_secrets
-                .get(&ObjectRef::new(&boot_name).within(&namespace));
+            let current = o.boot_secret.clone();
             // Replacing the provisioning attempt's Secret (with its resourceVersion) kills its
             // token in the same write that creates the cleaning token.
             let written = match &current {
@@ -358,11 +354,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             Ok(Acted::default())
         }
         Step::NextAttempt => {
-            let Some(secret) = ctx
-                .stores
-                .boot_secrets
-                .get(&ObjectRef::new(&boot_name).within(&namespace))
-            else {
+            let Some(secret) = o.boot_secret.clone() else {
                 return Err(ActError::Conflict("boot Secret gone".into()));
             };
             // Conditioned on the resourceVersion: the old token dies with the old version.
@@ -451,10 +443,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             if *netboot {
                 next_boot_best_effort(ctx, o, mm, host, BootDevice::Pxe).await?;
             }
-            let current = ctx
-                .stores
-                .boot_secrets
-                .get(&ObjectRef::new(&boot_name).within(&namespace));
+            let current = o.boot_secret.clone();
             // Conditioned on the resourceVersion: the last boot's token dies with it.
             if let Some(secret) = &current {
                 let patch = tokens::renewal_patch(secret, &tokens::next_boot(secret));
@@ -493,11 +482,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             Ok(Acted::default())
         }
         Step::DeleteBootSecret => {
-            let current = ctx
-                .stores
-                .boot_secrets
-                .get(&ObjectRef::new(&boot_name).within(&namespace))
-                .and_then(|s| s.resource_version());
+            let current = o.boot_secret.as_ref().and_then(|s| s.resource_version());
             let params = DeleteParams {
                 preconditions: current.clone().map(|rv| Preconditions {
                     resource_version: Some(rv),

@@ -1382,6 +1382,7 @@ mod tests {
             failure_domain_label: DEFAULT_FAILURE_DOMAIN_LABEL.into(),
             hosts: vec![Arc::new(host("h1", None, Some("rack-a")))],
             boot: BootObservation::None,
+            boot_secret: None,
             power: None,
             last_power_off: None,
             last_power_on: None,

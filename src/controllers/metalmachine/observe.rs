@@ -56,6 +56,11 @@ pub struct Observed {
     /// The hosts in the machine's namespace claimed by it; when it has none, the free ones.
     pub hosts: Vec<Arc<MetalHost>>,
     pub boot: BootObservation,
+    /// The boot Secret `boot` was read from: the store's copy, or the fresher answer to a
+    /// boot-service write. Steps write it under this copy's resourceVersion, not the store's:
+    /// a store still behind the decision turned the write into a 409, after the BMC call made
+    /// before it, which the next pass then made again.
+    pub boot_secret: Option<Arc<Secret>>,
     /// Deletion only: the claimed host's power state, read from its BMC.
     pub power: Option<Result<PowerState, Fault>>,
     /// Deletion only: the power-off request already sent, and how long ago.
@@ -225,6 +230,7 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         }
         None => secret,
     };
+    let boot_secret = secret.clone();
     let boot = match secret {
         None => BootObservation::None,
         Some(secret) => match tokens::parse_boot_secret(&secret) {
@@ -253,6 +259,7 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         failure_domain_label,
         hosts,
         boot,
+        boot_secret,
         power,
         last_power_off,
         last_power_on: ctx.power_ons.last(&mm_key).map(|(_, ago)| ago),
