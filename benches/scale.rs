@@ -50,10 +50,7 @@ type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
 /// benchmark's own view, which lags by seconds under a burst.
 async fn callback_stage_buckets(boot_url: &str, stage: &str) -> Vec<(f64, f64)> {
     let stage = format!("stage=\"{stage}\"");
-    let text = match reqwest::get(format!("{boot_url}/metrics")).await {
-        Ok(response) => response.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
+    let text = manager_metrics(boot_url).await;
     let mut buckets: Vec<(f64, f64)> = text
         .lines()
         .filter_map(|line| line.strip_prefix("metalboot_callback_latency_seconds_bucket{"))
@@ -76,19 +73,18 @@ async fn callback_stage_buckets(boot_url: &str, stage: &str) -> Vec<(f64, f64)> 
     buckets
 }
 
-/// The manager's `metalboot_callback_lane_stale_total` by kind: which store a callback-lane pass
-/// found behind this manager's own last write (the "stale" stage says how long that cost).
-async fn callback_stale_by_kind(boot_url: &str) -> Vec<(String, f64)> {
-    labelled_counter(boot_url, "metalboot_callback_lane_stale_total{kind=\"").await
+/// The manager's metrics page (empty when it cannot be read).
+async fn manager_metrics(boot_url: &str) -> String {
+    match reqwest::get(format!("{boot_url}/metrics")).await {
+        Ok(response) => response.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
 }
 
 /// A counter of the manager's with one label, per value of that label: `prefix` is the
 /// counter's name, `{` and the label's name up to the opening quote of its value.
 async fn labelled_counter(boot_url: &str, prefix: &str) -> Vec<(String, f64)> {
-    let text = match reqwest::get(format!("{boot_url}/metrics")).await {
-        Ok(response) => response.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
+    let text = manager_metrics(boot_url).await;
     text.lines()
         .filter_map(|line| line.strip_prefix(prefix))
         .filter_map(|rest| {
@@ -113,6 +109,9 @@ fn passes_between(after: &[(String, f64)], before: &[(String, f64)]) -> Vec<(Str
 }
 
 const PASSES: &str = "metalboot_reconciles_total{controller=\"";
+/// Which store a callback-lane pass found behind this manager's own last write, by kind (the
+/// "stale" stage says how long that cost).
+const LANE_STALE: &str = "metalboot_callback_lane_stale_total{kind=\"";
 
 /// The callback's stages in the manager, in order: the boot Secret records it (the callback
 /// answered), its lane pass starts, that pass has the machine's turn, (each time a lane pass
@@ -610,7 +609,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     println!(
         "N={n} provision: callback→stage p50/p99 ms in the manager: {}; lane passes that found a store behind, by kind: {:?}; passes per controller: {:?}",
         split.join(", "),
-        callback_stale_by_kind(&boot_url).await,
+        labelled_counter(&boot_url, LANE_STALE).await,
         passes_between(&labelled_counter(&boot_url, PASSES).await, &passes_before)
     );
     println!(

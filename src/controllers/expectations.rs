@@ -389,7 +389,8 @@ fn state_of(entry: &Pending, seen: Option<&str>) -> Seen {
     }
 }
 
-fn kind_of(key: &str) -> &str {
+/// The kind in an [`object_key`].
+pub fn kind_of(key: &str) -> &str {
     key.split('/').next().unwrap_or_default()
 }
 

@@ -333,9 +333,7 @@ pub fn callback_lane(
                 match pass_in_turn(mm.clone(), &ctx, Some(lane)).await {
                     Ok(Passed::Stale(what)) => {
                         observe_stage("stale", called);
-                        crate::metrics::record_callback_stale(
-                            what.split('/').next().unwrap_or_default(),
-                        );
+                        crate::metrics::record_callback_stale(super::expectations::kind_of(&what));
                         tokio::time::sleep(LANE_STALE_WAIT).await;
                     }
                     Ok(Passed::Decided(_)) => return LaneOutcome::Done,
