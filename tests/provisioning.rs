@@ -786,6 +786,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         power_ons: Default::default(),
         expectations,
         fresh_secrets: Default::default(),
+        fresh_machines: Default::default(),
         pass_locks: Default::default(),
         lane: Default::default(),
     };
@@ -988,6 +989,56 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         !metalmachine::callback_lane(&lane, &notice(None), handoff),
         "a stopped lane takes nothing"
     );
+
+    // 6. The store has not shown this controller's own last write to the MetalMachine yet (a
+    //    host calls back moments after its power-on pass wrote the status). The pass decides
+    //    from that write's answer, not from the store's older copy, and the expectation stays
+    //    until the store shows the write. An answer a later write superseded is not used.
+    fill(&mut boot_secrets_w, listed(&lab).await);
+    fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
+    let live = lab.metal_machine("m1").await.expect("m1");
+    let mm_key = object_key("MetalMachine", &lab.ns.name, "m1");
+    let wrote_last = context(Expectations::default());
+    wrote_last.expectations.wrote(
+        mm_key.clone(),
+        held.resource_version(),
+        live.resource_version(),
+    );
+    let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
+        panic!("without the write's answer, the pass waits for the store");
+    };
+    wrote_last.fresh_machines.keep(live.clone());
+    let observe::Observation::Ready(observed) = observe::observe(&wrote_last, held.clone()).await
+    else {
+        panic!("with the write's answer, the pass decides");
+    };
+    assert_eq!(
+        observed.mm.resource_version(),
+        live.resource_version(),
+        "from the answer"
+    );
+    let step = decide::decide(&observed, &wrote_last.policy).step;
+    assert!(
+        !matches!(
+            step,
+            decide::Step::RecordProvisioned { .. }
+                | decide::Step::PowerOn { .. }
+                | decide::Step::RestartToDisk { .. }
+        ),
+        "the answer shows the providerID the store's copy lacks: {step:?}"
+    );
+    assert_eq!(
+        wrote_last.expectations.len(),
+        1,
+        "deciding from the answer leaves the wait for the store"
+    );
+    wrote_last
+        .expectations
+        .conflicted(mm_key.clone(), live.resource_version());
+    let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
+        panic!("a write decided from the answer lost a 409: the answer is not used again");
+    };
+    assert!(wrote_last.fresh_machines.is_empty(), "and it is forgotten");
 }
 
 /// What `status.bmc.bootOnce` says of host-0, once it says something.

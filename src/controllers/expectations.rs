@@ -230,6 +230,18 @@ impl Expectations {
         state
     }
 
+    /// The version our last write to `key` produced, while the store shows (`seen`) a version
+    /// our writes replaced and nothing since marked that write's own version stale (a 409).
+    /// The answer to that write is then newer than the store, and as new as anything we know.
+    pub fn ahead_of_store(&self, key: &str, seen: Option<&str>) -> Option<String> {
+        let pending = self.pending.lock().ok()?;
+        let entry = pending.get(key)?;
+        let written = entry.written.clone()?;
+        let behind = entry.replaced.iter().any(|r| r.as_deref() == seen);
+        let superseded = entry.replaced.iter().any(|r| r.as_ref() == Some(&written));
+        (behind && !superseded).then_some(written)
+    }
+
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
     /// caller and that the store does not reflect yet, with how long it has waited; `seen(key)`
     /// gives the store's version. An entry concerns the caller when `writer` made one of its
@@ -537,6 +549,32 @@ mod tests {
             !met(&e, "H/ns2/a", Some("9")),
             "another namespace is untouched"
         );
+    }
+
+    #[test]
+    fn our_last_write_is_ahead_of_a_store_that_shows_what_it_replaced() {
+        let e = Expectations::default();
+        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None, "no write");
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
+        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), Some("12".into()));
+        assert_eq!(e.ahead_of_store("S/ns/a", Some("11")), Some("12".into()));
+        assert_eq!(
+            e.ahead_of_store("S/ns/a", Some("13")),
+            None,
+            "the store moved past our writes: it is the newest"
+        );
+        // A write decided from our last answer lost (409): someone wrote after us.
+        e.conflicted("S/ns/a".into(), Some("12".into()));
+        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None);
+        // A 409 of a write conditioned on the store's old version leaves our answer current.
+        e.wrote("S/ns/b".into(), Some("40".into()), Some("41".into()));
+        e.conflicted("S/ns/b".into(), Some("40".into()));
+        assert_eq!(e.ahead_of_store("S/ns/b", Some("40")), Some("41".into()));
+        // Deleted: no answer to decide from.
+        e.wrote("S/ns/c".into(), Some("20".into()), None);
+        assert_eq!(e.ahead_of_store("S/ns/c", Some("20")), None);
+        assert!(!met(&e, "S/ns/a", Some("10")), "asking ends no expectation");
     }
 
     #[test]

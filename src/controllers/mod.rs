@@ -301,6 +301,22 @@ where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
     S: Serialize,
 {
+    apply_status_answer(api, name, manager, status)
+        .await
+        .map(|written| written.resource_version())
+}
+
+/// [`apply_status`], returning the apiserver's answer: the whole object as written.
+pub async fn apply_status_answer<K, S>(
+    api: &Api<K>,
+    name: &str,
+    manager: &str,
+    status: &S,
+) -> Result<K, ReconcileError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+    S: Serialize,
+{
     let patch = serde_json::json!({
         "apiVersion": K::api_version(&()),
         "kind": K::kind(&()),
@@ -312,7 +328,6 @@ where
         &Patch::Apply(&patch),
     )
     .await
-    .map(|written| written.resource_version())
     .map_err(ReconcileError::write(format!(
         "{} {name} status",
         K::kind(&())

@@ -188,7 +188,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 Ok(_) if removing && emptied => {
                     ctx.expectations.wrote(mm_key.clone(), replaced, None)
                 }
-                Ok(_) => {}
+                Ok(written) => ctx.fresh_machines.keep(written),
                 // Already gone: a pass decided from a store that still shows the deleted object.
                 Err(ActError::Api(ReconcileError::Write {
                     source: kube::Error::Api(ref s),
@@ -389,9 +389,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let replaced = mm.resource_version();
             let written =
                 patch_from(ctx, mm, &machines, &name, replaced, patch, "providerID").await?;
-            Ok(Acted {
-                generation: written.metadata.generation,
-            })
+            let generation = written.metadata.generation;
+            ctx.fresh_machines.keep(written);
+            Ok(Acted { generation })
         }
         Step::RestartToDisk { host } => {
             let BootObservation::Record(record) = &o.boot else {

@@ -108,6 +108,60 @@ impl FreshSecrets {
     }
 }
 
+/// MetalMachines as the answers to this controller's own writes returned them, until the store
+/// shows them. A pass right after a write (a host calling back moments after its power-on pass
+/// wrote the status) decided nothing until the watch brought that write back: at N=1000 about
+/// one callback in one waited so, 50 ms at a time. The answer is the apiserver's copy, as new as
+/// anything this controller knows while the store shows a version the write replaced.
+#[derive(Default)]
+pub struct FreshMachines(Mutex<HashMap<String, Arc<MetalMachine>>>);
+
+/// Answers of machines no pass looked at again are dropped past this many (about 4 KiB each).
+const FRESH_MACHINES_MAX: usize = 1024;
+
+impl FreshMachines {
+    /// Keeps the answer to a write of `written`.
+    pub fn keep(&self, written: MetalMachine) {
+        let key = object_key(
+            "MetalMachine",
+            written.metadata.namespace.as_deref().unwrap_or_default(),
+            &written.name_any(),
+        );
+        if let Ok(mut fresh) = self.0.lock() {
+            if fresh.len() >= FRESH_MACHINES_MAX {
+                fresh.clear();
+            }
+            fresh.insert(key, Arc::new(written));
+        }
+    }
+
+    /// The kept answer for `key` while it is newer than the store's copy (`seen`) and is our
+    /// last write (see [`Expectations::ahead_of_store`]); otherwise it is forgotten.
+    pub fn ahead_of_store(
+        &self,
+        expectations: &Expectations,
+        key: &str,
+        seen: Option<&str>,
+    ) -> Option<Arc<MetalMachine>> {
+        let mut fresh = self.0.lock().ok()?;
+        let kept = fresh.get(key)?;
+        let ahead = expectations.ahead_of_store(key, seen);
+        if ahead.is_some() && ahead == kept.resource_version() {
+            return Some(kept.clone());
+        }
+        fresh.remove(key);
+        None
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().map(|f| f.len()).unwrap_or_default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 pub struct MachineContext {
     pub client: kube::Client,
     pub connector: Arc<dyn BmcConnector>,
@@ -122,6 +176,7 @@ pub struct MachineContext {
     pub power_ons: PowerRequests,
     pub expectations: Expectations,
     pub fresh_secrets: FreshSecrets,
+    pub fresh_machines: FreshMachines,
     /// One pass per machine at a time, between the controller and the callback lane.
     pub pass_locks: PassLocks,
     /// Callback-lane passes running now (see [`callback_lane`]).
@@ -375,12 +430,13 @@ async fn write_status(
     }
     let namespace = mm.namespace().unwrap_or_default();
     let api: Api<MetalMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    let written = super::apply_status(&api, &mm.name_any(), FIELD_MANAGER, status).await?;
+    let written = super::apply_status_answer(&api, &mm.name_any(), FIELD_MANAGER, status).await?;
     ctx.expectations.wrote(
         object_key("MetalMachine", &namespace, &mm.name_any()),
         mm.resource_version(),
-        written,
+        written.resource_version(),
     );
+    ctx.fresh_machines.keep(written);
     Ok(())
 }
 
@@ -546,6 +602,8 @@ async fn pass_noting_stale(
         requeue,
         note,
     } = decide::decide(&observed, &ctx.policy);
+    // The copy decided from: the store's, or the answer to this controller's last write.
+    let mm = observed.mm.clone();
     tracing::debug!(?step, "decided");
     let called_back = matches!(step, decide::Step::RecordProvisioned { .. });
     if called_back && let BootObservation::Record(record) = &observed.boot {

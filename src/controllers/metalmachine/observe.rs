@@ -82,17 +82,29 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
     let name = mm.name_any();
     let mm_key = object_key("MetalMachine", &namespace, &name);
     let metal_machines: Api<MetalMachine> = Api::namespaced(ctx.client.clone(), &namespace);
-    if !store_reflects(
-        &ctx.expectations,
-        &metal_machines,
-        &mm_key,
-        &name,
-        mm.resource_version().as_deref(),
-    )
-    .await
+    // The store still shows a version this controller's last write replaced: decide from that
+    // write's answer instead of waiting for the watch (the expectation stays until it shows it).
+    let seen = mm.resource_version();
+    let mm = match ctx
+        .fresh_machines
+        .ahead_of_store(&ctx.expectations, &mm_key, seen.as_deref())
     {
-        return Observation::Stale(mm_key);
-    }
+        Some(fresh) => fresh,
+        None => {
+            if !store_reflects(
+                &ctx.expectations,
+                &metal_machines,
+                &mm_key,
+                &name,
+                seen.as_deref(),
+            )
+            .await
+            {
+                return Observation::Stale(mm_key);
+            }
+            mm
+        }
+    };
     let owner = match machine_owner(&mm) {
         None => OwnerObservation::NoOwner,
         Some(owner) => match stores
