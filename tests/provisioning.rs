@@ -994,7 +994,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     //    host calls back moments after its power-on pass wrote the status). The pass decides
     //    from that write's answer, not from the store's older copy, and the expectation stays
     //    until the store shows the write. An answer a later write superseded is not used.
-    fill(&mut boot_secrets_w, listed(&lab).await);
+    fill(&mut boot_secrets_w, vec![called_back.clone()]);
     fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
     let live = lab.metal_machine("m1").await.expect("m1");
     let mm_key = object_key("MetalMachine", &lab.ns.name, "m1");
@@ -1018,19 +1018,53 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         "from the answer"
     );
     let step = decide::decide(&observed, &wrote_last.policy).step;
+    // What a store that shows the write decides, for comparison.
+    fill(&mut metal_machines_w, vec![live.clone()]);
+    let caught_up = context(Expectations::default());
+    let observe::Observation::Ready(current) =
+        observe::observe(&caught_up, Arc::new(live.clone())).await
+    else {
+        panic!("nothing pending");
+    };
+    assert_eq!(
+        step,
+        decide::decide(&current, &caught_up.policy).step,
+        "the answer decides what a store showing the write decides"
+    );
+    fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
+    let from_held = context(Expectations::default());
+    let observe::Observation::Ready(held_view) = observe::observe(&from_held, held.clone()).await
+    else {
+        panic!("nothing pending");
+    };
+    let held_step = decide::decide(&held_view, &from_held.policy).step;
     assert!(
-        !matches!(
-            step,
-            decide::Step::RecordProvisioned { .. }
-                | decide::Step::PowerOn { .. }
-                | decide::Step::RestartToDisk { .. }
-        ),
-        "the answer shows the providerID the store's copy lacks: {step:?}"
+        matches!(held_step, decide::Step::RecordProvisioned { .. }),
+        "and not what the store's older copy would: {held_step:?}"
     );
     assert_eq!(
         wrote_last.expectations.len(),
         1,
         "deciding from the answer leaves the wait for the store"
+    );
+    // A whole pass from the answer, the boot Secret as it is now: no power action, no write.
+    fill(&mut boot_secrets_w, listed(&lab).await);
+    metalmachine::pass(held.clone(), &wrote_last)
+        .await
+        .expect("a pass from the answer");
+    assert_eq!(lab.resets(), resets_after_provisioning, "{:?}", lab.posts());
+    assert_eq!(
+        lab.metal_machine("m1")
+            .await
+            .expect("m1")
+            .resource_version(),
+        live.resource_version(),
+        "the answer's status is current: nothing written"
+    );
+    assert_eq!(
+        wrote_last.expectations.len(),
+        1,
+        "still waiting for the store"
     );
     wrote_last
         .expectations

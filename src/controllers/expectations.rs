@@ -40,6 +40,10 @@ pub enum Seen {
 /// store catches up: a pass writes at most two).
 const REPLACED_KEPT: usize = 8;
 
+/// The versions one pass's writes can add to `replaced`: two writes (spec, then status), each
+/// adding the version it replaced and our write before it.
+const ANSWERED_PASS_WRITES: usize = 4;
+
 /// How many writers whose conditioned write lost (409) one pending expectation names (machines
 /// that raced for the same host; one more is dropped oldest first). Writers whose write went
 /// through are never dropped: evicting a claim's own machine would let it decide from a store
@@ -233,13 +237,19 @@ impl Expectations {
     /// The version our last write to `key` produced, while the store shows (`seen`) a version
     /// our writes replaced and nothing since marked that write's own version stale (a 409).
     /// The answer to that write is then newer than the store, and as new as anything we know.
+    ///
+    /// Only within the TTL, and only while the chain of our writes the store has not shown
+    /// leaves room for one more pass's writes: past the TTL the apiserver is asked, as for any
+    /// lag; and a pass deciding from an answer writes again, so an unbounded chain would push
+    /// the store's own version out of `replaced` and make that stale version pass for current.
     pub fn ahead_of_store(&self, key: &str, seen: Option<&str>) -> Option<String> {
         let pending = self.pending.lock().ok()?;
         let entry = pending.get(key)?;
         let written = entry.written.clone()?;
-        let behind = entry.replaced.iter().any(|r| r.as_deref() == seen);
         let superseded = entry.replaced.iter().any(|r| r.as_ref() == Some(&written));
-        (behind && !superseded).then_some(written)
+        let room = entry.replaced.len() + ANSWERED_PASS_WRITES <= REPLACED_KEPT;
+        let waiting = state_of(entry, seen) == Seen::Waiting && !entry.reported;
+        (waiting && room && !superseded).then_some(written)
     }
 
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
@@ -575,6 +585,51 @@ mod tests {
         e.wrote("S/ns/c".into(), Some("20".into()), None);
         assert_eq!(e.ahead_of_store("S/ns/c", Some("20")), None);
         assert!(!met(&e, "S/ns/a", Some("10")), "asking ends no expectation");
+    }
+
+    /// A pass deciding from an answer writes again. A chain of such writes the store never
+    /// showed must not push the store's own version out of `replaced` (where it would pass for
+    /// current): the chain stops while there is room, and the passes wait for the store.
+    #[test]
+    fn answers_stop_before_a_chain_of_writes_forgets_the_stores_version() {
+        let e = Expectations::default();
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        let mut answered = 0;
+        for version in 12..40 {
+            let Some(answer) = e.ahead_of_store("S/ns/a", Some("10")) else {
+                break;
+            };
+            answered += 1;
+            // A spec write, then a status write, both from the answer.
+            e.wrote(
+                "S/ns/a".into(),
+                Some(answer.clone()),
+                Some(version.to_string()),
+            );
+            e.wrote("S/ns/a".into(), Some(answer), Some(format!("{version}b")));
+        }
+        assert!(answered > 0, "some passes decided from answers");
+        assert!(answered < 28, "and then the chain stopped");
+        assert_eq!(
+            e.check("S/ns/a", Some("10")),
+            Seen::Waiting,
+            "the store's version is still known to be stale"
+        );
+    }
+
+    #[test]
+    fn past_the_ttl_an_answer_is_not_used_and_the_apiserver_is_asked() {
+        let e = Expectations::with_ttl(Duration::ZERO);
+        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None);
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
+        // The apiserver said the store is behind: until our next write, passes wait for it.
+        let e = Expectations::default();
+        e.wrote("S/ns/b".into(), Some("20".into()), Some("21".into()));
+        assert!(!e.confirm("S/ns/b", Some("20"), Some("21"), e.asking()));
+        assert_eq!(e.ahead_of_store("S/ns/b", Some("20")), None);
+        e.wrote("S/ns/b".into(), Some("21".into()), Some("22".into()));
+        assert_eq!(e.ahead_of_store("S/ns/b", Some("20")), Some("22".into()));
     }
 
     #[test]

@@ -186,6 +186,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 // The last finalizer gone, the object is deleted, and the answer may carry the
                 // very version it replaced (which sets no expectation): expect the deletion.
                 Ok(_) if removing && emptied => {
+                    ctx.fresh_machines.forget(&mm_key);
                     ctx.expectations.wrote(mm_key.clone(), replaced, None)
                 }
                 Ok(written) => ctx.fresh_machines.keep(written),

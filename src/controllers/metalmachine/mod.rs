@@ -116,12 +116,13 @@ impl FreshSecrets {
 #[derive(Default)]
 pub struct FreshMachines(Mutex<HashMap<String, Arc<MetalMachine>>>);
 
-/// Answers of machines no pass looked at again are dropped past this many (about 4 KiB each).
+/// Answers of machines no pass looked at again are dropped past this many (2 to 4 KiB each).
 const FRESH_MACHINES_MAX: usize = 1024;
 
 impl FreshMachines {
-    /// Keeps the answer to a write of `written`.
-    pub fn keep(&self, written: MetalMachine) {
+    /// Keeps the answer to a write of `written` (without its managedFields, as the stores do).
+    pub fn keep(&self, mut written: MetalMachine) {
+        written.metadata.managed_fields = None;
         let key = object_key(
             "MetalMachine",
             written.metadata.namespace.as_deref().unwrap_or_default(),
@@ -151,6 +152,20 @@ impl FreshMachines {
         }
         fresh.remove(key);
         None
+    }
+
+    /// Drops the answer for `key` (the machine is gone).
+    pub fn forget(&self, key: &str) {
+        if let Ok(mut fresh) = self.0.lock() {
+            fresh.remove(key);
+        }
+    }
+
+    /// Keeps only the answers of machines `keep` names (those still in the store).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut fresh) = self.0.lock() {
+            fresh.retain(|key, _| keep(key));
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -334,6 +349,9 @@ const LANE_STALE_WAIT: Duration = Duration::from_millis(50);
 /// What a pass came to.
 pub enum Passed {
     Decided(Action),
+    /// Decided from the answer to this controller's last write, the store still behind it: a
+    /// pass must follow until the store shows the write (see [`ANSWER_RECHECK`]).
+    DecidedFromAnswer(Action),
     /// A store had not shown this manager's last write to the named object yet: nothing was
     /// decided.
     Stale(String),
@@ -392,6 +410,9 @@ pub fn callback_lane(
                         tokio::time::sleep(LANE_STALE_WAIT).await;
                     }
                     Ok(Passed::Decided(_)) => return LaneOutcome::Done,
+                    // The controller's pass follows it, to wait for the store (see
+                    // `ANSWER_RECHECK`); the lane keeps no timer of its own.
+                    Ok(Passed::DecidedFromAnswer(_)) => return LaneOutcome::GiveBack,
                     Err(e) => {
                         tracing::debug!(error = %e, "callback lane pass failed; the controller passes next");
                         return LaneOutcome::GiveBack;
@@ -541,7 +562,7 @@ async fn reconcile(
         return Ok(Action::await_change());
     }
     match pass_in_turn(mm, &ctx, None).await? {
-        Passed::Decided(action) => Ok(action),
+        Passed::Decided(action) | Passed::DecidedFromAnswer(action) => Ok(action),
         Passed::Stale(_) => Ok(Action::requeue(Duration::from_millis(250))),
     }
 }
@@ -565,11 +586,13 @@ async fn pass_in_turn(
         .metal_machines
         .get(&ObjectRef::from_obj(mm.as_ref()))
         .unwrap_or(mm);
-    let stale = Mutex::new(None);
-    let pass = super::instrumented(CONTROLLER, object, pass_noting_stale(mm, ctx, &stale));
+    let notes = Mutex::new(PassNotes::default());
+    let pass = super::instrumented(CONTROLLER, object, pass_noting(mm, ctx, &notes));
     let action = crate::kubeconn::gate::with_priority(turn.priority(), pass).await?;
-    Ok(match stale.lock().ok().and_then(|mut s| s.take()) {
+    let notes = notes.into_inner().unwrap_or_default();
+    Ok(match notes.stale {
         Some(what) => Passed::Stale(what),
+        None if notes.from_answer => Passed::DecidedFromAnswer(action),
         None => Passed::Decided(action),
     })
 }
@@ -577,21 +600,37 @@ async fn pass_in_turn(
 /// One pass: observe → decide → act → status. Public so a test can drive it over stores it holds
 /// back, as a lagging watch would.
 pub async fn pass(mm: Arc<MetalMachine>, ctx: &MachineContext) -> Result<Action, ReconcileError> {
-    pass_noting_stale(mm, ctx, &Mutex::new(None)).await
+    pass_noting(mm, ctx, &Mutex::new(PassNotes::default())).await
 }
 
-/// [`pass`], naming in `stale` the object whose store lagged when it decided nothing for that.
-async fn pass_noting_stale(
+/// What a pass says of its stores besides its action.
+#[derive(Default)]
+struct PassNotes {
+    /// The object whose store lagged, when the pass decided nothing for that.
+    stale: Option<String>,
+    /// The pass decided from the answer to this controller's last write to the machine.
+    from_answer: bool,
+}
+
+/// A pass that decided from the answer to this controller's last write looks again within this
+/// long, until the store shows the write: the write's expectation is met, or past its TTL is
+/// put to the apiserver, only by passes that look. Without them, a ready machine would wait for
+/// no event, and an expectation left alone for ten minutes is swept out; a store still behind
+/// then would pass for current.
+pub const ANSWER_RECHECK: Duration = Duration::from_secs(5);
+
+/// [`pass`], noting in `notes` what it saw of its stores.
+async fn pass_noting(
     mm: Arc<MetalMachine>,
     ctx: &MachineContext,
-    stale: &Mutex<Option<String>>,
+    notes: &Mutex<PassNotes>,
 ) -> Result<Action, ReconcileError> {
     let observed = match observe::observe(ctx, mm.clone()).await {
         Observation::Ready(o) => o,
         Observation::Stale(what) => {
             tracing::debug!(%what, "store has not seen our last write yet");
-            if let Ok(mut s) = stale.lock() {
-                *s = Some(what);
+            if let Ok(mut n) = notes.lock() {
+                n.stale = Some(what);
             }
             return Ok(Action::requeue(Duration::from_millis(250)));
         }
@@ -603,6 +642,10 @@ async fn pass_noting_stale(
         note,
     } = decide::decide(&observed, &ctx.policy);
     // The copy decided from: the store's, or the answer to this controller's last write.
+    let from_answer = observed.mm.resource_version() != mm.resource_version();
+    if from_answer && let Ok(mut n) = notes.lock() {
+        n.from_answer = true;
+    }
     let mm = observed.mm.clone();
     tracing::debug!(?step, "decided");
     let called_back = matches!(step, decide::Step::RecordProvisioned { .. });
@@ -651,6 +694,10 @@ async fn pass_noting_stale(
             // After a step, look again soon even if no watch event maps back here (a release
             // clears the very consumerRef that would route the host's event to this machine).
             let requeue = requeue.or(acted.then_some(Duration::from_millis(500)));
+            let requeue = match from_answer {
+                true => Some(requeue.map_or(ANSWER_RECHECK, |r| r.min(ANSWER_RECHECK))),
+                false => requeue,
+            };
             Ok(match requeue {
                 Some(after) => Action::requeue(after),
                 None => Action::await_change(),
@@ -662,7 +709,10 @@ async fn pass_noting_stale(
         }
         Err(ActError::Waiting(f)) => {
             write_status(ctx, &mm, &with_fault(status, &mm, f.reason, &f.message)).await?;
-            Ok(Action::requeue(Duration::from_secs(15)))
+            Ok(Action::requeue(match from_answer {
+                true => ANSWER_RECHECK,
+                false => Duration::from_secs(15),
+            }))
         }
         Err(ActError::Fault(f)) => {
             // The decided status names the host even before any status write did (a Mint pass
