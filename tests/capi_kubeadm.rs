@@ -567,16 +567,27 @@ async fn a_cabpk_join_that_fails_ends_in_the_boot_timeout_shown_on_the_machine()
         Some("BootTimeout")
     );
     assert!(mm.spec.provider_id.is_none(), "provisioned after all");
-    let console = rig::console(&cluster.rack.host);
-    let kubeadm_failure = console
-        .lines()
-        .find(|l| l.contains("error execution phase"))
+    // The boot timeout counts from the power-on, kubeadm's discovery timeout from its start:
+    // on a loaded machine (TCG) the guest may reach kubeadm late, and the Machine fails first.
+    // The host stays on after the last attempt, so its console still shows kubeadm give up.
+    let kubeadm_failure =
+        support::eventually_or("kubeadm's join fails on the console", 300, || {
+            let console = rig::console(&cluster.rack.host);
+            async move {
+                console
+                    .lines()
+                    .find(|l| l.contains("error execution phase"))
+                    .map(str::to_string)
+            }
+        })
+        .await
         .unwrap_or_else(|| {
             panic!(
                 "kubeadm join did not fail on the console:\n{}",
-                rig::tail(&console, 6000)
+                rig::tail(&rig::console(&cluster.rack.host), 6000)
             )
         });
+    let console = rig::console(&cluster.rack.host);
     assert!(
         !console.contains("reporting to the boot service"),
         "vendor-data reported success without CABPK's sentinel"
