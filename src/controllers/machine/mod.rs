@@ -374,20 +374,10 @@ async fn pass(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Reconcile
     let observation = observe::observe(ctx, m.clone()).await?;
     let decision = decide::decide(&observation.observed);
     tracing::debug!(step = ?decision.step, phase = ?decision.status.phase, "decided");
-    let acting = async {
-        let generation = act::act(ctx, &observation, &decision.step)
-            .await?
-            .or(m.metadata.generation);
-        write_status_at(ctx, &m, decision.status.clone(), generation).await
-    };
-    // The infrastructure just became ready (a host called back): the providerID copy and the
-    // Provisioned status it leads to skip the manager's queue of apiserver requests, as the
-    // MetalMachine's own two writes before them did. In the crowd they waited 8 s p50 at N=1000.
-    if matches!(decision.step, decide::Step::CopyProviderId(_)) {
-        crate::kubeconn::gate::urgent(acting).await?;
-    } else {
-        acting.await?;
-    }
+    let generation = act::act(ctx, &observation, &decision.step)
+        .await?
+        .or(m.metadata.generation);
+    write_status_at(ctx, &m, decision.status.clone(), generation).await?;
     if let Some((warning, reason, message)) = decision.event {
         ctx.events
             .publish(m.as_ref(), warning, &reason, message)
