@@ -544,7 +544,6 @@ async fn start_infrastructure(
         power_ons: Default::default(),
         expectations: Default::default(),
         fresh_secrets: Default::default(),
-        fresh_machines: Default::default(),
         pass_locks: Default::default(),
         lane: Default::default(),
     });

@@ -769,7 +769,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         host_index,
         metal_machine_index,
     };
-    let context = |expectations: Expectations| MachineContext {
+    let context = |expectations: Expectations<MetalMachine>| MachineContext {
         client: lab.ns.client.clone(),
         connector: Arc::new(metalboot::controllers::hostbmc::RedfishConnector::new(
             Duration::from_secs(5),
@@ -786,7 +786,6 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         power_ons: Default::default(),
         expectations,
         fresh_secrets: Default::default(),
-        fresh_machines: Default::default(),
         pass_locks: Default::default(),
         lane: Default::default(),
     };
@@ -1007,7 +1006,9 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
         panic!("without the write's answer, the pass waits for the store");
     };
-    wrote_last.fresh_machines.keep(live.clone());
+    wrote_last
+        .expectations
+        .answered(&mm_key, live.resource_version().as_deref(), live.clone());
     let observe::Observation::Ready(observed) = observe::observe(&wrote_last, held.clone()).await
     else {
         panic!("with the write's answer, the pass decides");
@@ -1072,7 +1073,6 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
         panic!("a write decided from the answer lost a 409: the answer is not used again");
     };
-    assert!(wrote_last.fresh_machines.is_empty(), "and it is forgotten");
 }
 
 /// What `status.bmc.bootOnce` says of host-0, once it says something.

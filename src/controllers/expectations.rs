@@ -13,8 +13,8 @@
 //! a boot Secret without its callback, power-cycled 77 hosts that had already called back.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::api::Api;
@@ -50,7 +50,7 @@ const ANSWERED_PASS_WRITES: usize = 4;
 /// without its claim, and claim a second host.
 const LOSERS_KEPT: usize = 4;
 
-struct Pending {
+struct Pending<A> {
     /// The resourceVersions our writes replaced since the store last caught up (None for a
     /// create), oldest first. All of them, not just the last: a pass that writes twice (status,
     /// then a finalizer) leaves a store that may still show the version before the first write,
@@ -75,13 +75,18 @@ struct Pending {
     /// The controller's write count when this entry was last recorded: an answer the apiserver
     /// gave to a question asked before then says nothing about the later write.
     recorded: u64,
+    /// The apiserver's answer to the write that produced `written`, when the writer kept it
+    /// ([`Expectations::answered`]); dropped with the entry once the store shows the write, and
+    /// by the next write that comes without one.
+    answer: Option<Arc<A>>,
 }
 
-/// Expectations of one controller, keyed by `Kind/namespace/name`.
-pub struct Expectations {
+/// Expectations of one controller, keyed by `Kind/namespace/name`. `A` is what the controller
+/// keeps of the answers to its writes (see [`Expectations::ahead_of_store`]); most keep none.
+pub struct Expectations<A = ()> {
     /// Ordered by key, so a pass looks only at the keys under its prefix (one kind in one
     /// namespace), not at every write the controller has pending.
-    pending: Mutex<BTreeMap<String, Pending>>,
+    pending: Mutex<BTreeMap<String, Pending<A>>>,
     ttl: Duration,
     /// The size at which the next write sweeps out old entries first.
     sweep_at: AtomicUsize,
@@ -92,13 +97,13 @@ pub struct Expectations {
 /// The smallest map a write-time sweep waits for.
 const SWEEP_AT_LEAST: usize = 1024;
 
-impl Default for Expectations {
+impl<A> Default for Expectations<A> {
     fn default() -> Self {
         Expectations::with_ttl(EXPECTATION_TTL)
     }
 }
 
-impl Expectations {
+impl<A> Expectations<A> {
     /// Expectations that ask the apiserver after `ttl` (tests use zero: every wait is overdue).
     pub fn with_ttl(ttl: Duration) -> Self {
         Expectations {
@@ -181,6 +186,7 @@ impl Expectations {
             writers: Vec::new(),
             losers: Vec::new(),
             recorded: 0,
+            answer: None,
         });
         entry.recorded = self.records.fetch_add(1, Ordering::Relaxed) + 1;
         match (writer, written.is_some()) {
@@ -213,6 +219,7 @@ impl Expectations {
                 entry.replaced.retain(|r| *r != written);
             }
             entry.written = written;
+            entry.answer = None;
         }
         entry.due = due;
         entry.reported = false;
@@ -234,22 +241,35 @@ impl Expectations {
         state
     }
 
-    /// The version our last write to `key` produced, while the store shows (`seen`) a version
-    /// our writes replaced and nothing since marked that write's own version stale (a 409).
-    /// The answer to that write is then newer than the store, and as new as anything we know.
+    /// Keeps `answer`, the apiserver's reply to our write to `key` that produced `version`,
+    /// for [`Expectations::ahead_of_store`]. Only while that write is still our last one: the
+    /// answer lives in the write's own entry, so it goes when the store shows the write.
+    pub fn answered(&self, key: &str, version: Option<&str>, answer: A) {
+        if let Ok(mut pending) = self.pending.lock()
+            && let Some(entry) = pending.get_mut(key)
+            && entry.written.is_some()
+            && entry.written.as_deref() == version
+        {
+            entry.answer = Some(Arc::new(answer));
+        }
+    }
+
+    /// The answer to our last write to `key`, while the store shows (`seen`) a version our
+    /// writes replaced and nothing since marked that write's own version stale (a 409). The
+    /// answer is then newer than the store, and as new as anything we know.
     ///
     /// Only within the TTL, and only while the chain of our writes the store has not shown
     /// leaves room for one more pass's writes: past the TTL the apiserver is asked, as for any
     /// lag; and a pass deciding from an answer writes again, so an unbounded chain would push
     /// the store's own version out of `replaced` and make that stale version pass for current.
-    pub fn ahead_of_store(&self, key: &str, seen: Option<&str>) -> Option<String> {
+    pub fn ahead_of_store(&self, key: &str, seen: Option<&str>) -> Option<Arc<A>> {
         let pending = self.pending.lock().ok()?;
         let entry = pending.get(key)?;
-        let written = entry.written.clone()?;
-        let superseded = entry.replaced.iter().any(|r| r.as_ref() == Some(&written));
+        let answer = entry.answer.clone()?;
+        let superseded = entry.replaced.contains(&entry.written);
         let room = entry.replaced.len() + ANSWERED_PASS_WRITES <= REPLACED_KEPT;
         let waiting = state_of(entry, seen) == Seen::Waiting && !entry.reported;
-        (waiting && room && !superseded).then_some(written)
+        (waiting && room && !superseded).then_some(answer)
     }
 
     /// The first pending expectation under `prefix` (e.g. `MetalHost/<ns>/`) that concerns the
@@ -390,7 +410,7 @@ impl Expectations {
 }
 
 /// Drops entries nobody asked about for FORGET_AFTER (their object went away).
-fn forget_old(pending: &mut BTreeMap<String, Pending>) {
+fn forget_old<A>(pending: &mut BTreeMap<String, Pending<A>>) {
     let now = Instant::now();
     pending.retain(|_, entry| {
         entry
@@ -401,7 +421,7 @@ fn forget_old(pending: &mut BTreeMap<String, Pending>) {
 }
 
 /// Whether a pending write is shown by a store showing `seen`.
-fn state_of(entry: &Pending, seen: Option<&str>) -> Seen {
+fn state_of<A>(entry: &Pending<A>, seen: Option<&str>) -> Seen {
     if !entry.replaced.iter().any(|r| r.as_deref() == seen) {
         Seen::Met
     } else if Instant::now() >= entry.due {
@@ -419,8 +439,8 @@ pub fn kind_of(key: &str) -> &str {
 /// Whether the store's `seen` version of `name` (under `key`) reflects our last write. Within
 /// the TTL this only looks at the expectation; past it, it asks the apiserver for the object's
 /// metadata (one GET per object per TTL) and keeps waiting while the apiserver is ahead.
-pub async fn store_reflects<K>(
-    expectations: &Expectations,
+pub async fn store_reflects<K, A>(
+    expectations: &Expectations<A>,
     api: &Api<K>,
     key: &str,
     name: &str,
@@ -464,7 +484,7 @@ mod tests {
 
     #[test]
     fn an_update_waits_until_the_store_moves_past_the_old_version() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(
             e.check("S/ns/a", Some("10")),
@@ -479,7 +499,7 @@ mod tests {
     /// before the first write is as stale as one at the version before the second.
     #[test]
     fn two_writes_in_a_row_wait_for_the_last_from_either_old_version() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Waiting, "before both");
@@ -526,7 +546,7 @@ mod tests {
 
     #[test]
     fn creates_and_deletes() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote("S/ns/new".into(), None, Some("5".into()));
         assert!(!met(&e, "S/ns/new", None), "created, store has not seen it");
         assert!(met(&e, "S/ns/new", Some("5")));
@@ -541,7 +561,7 @@ mod tests {
 
     #[test]
     fn pending_writes_are_found_by_prefix_without_touching_others() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote("H/ns/a".into(), Some("1".into()), Some("2".into()));
         e.wrote("H/ns/b".into(), Some("5".into()), Some("6".into()));
         e.wrote("H/ns2/a".into(), Some("9".into()), Some("10".into()));
@@ -561,30 +581,76 @@ mod tests {
         );
     }
 
+    /// A write whose answer the writer keeps (the answer here is its version).
+    fn wrote_answered(e: &Expectations<String>, key: &str, replaced: &str, written: &str) {
+        e.wrote(key.into(), Some(replaced.into()), Some(written.into()));
+        e.answered(key, Some(written), written.into());
+    }
+
+    fn ahead(e: &Expectations<String>, key: &str, seen: &str) -> Option<String> {
+        e.ahead_of_store(key, Some(seen))
+            .map(|a| a.as_ref().clone())
+    }
+
     #[test]
     fn our_last_write_is_ahead_of_a_store_that_shows_what_it_replaced() {
-        let e = Expectations::default();
-        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None, "no write");
-        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
-        e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
-        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), Some("12".into()));
-        assert_eq!(e.ahead_of_store("S/ns/a", Some("11")), Some("12".into()));
+        let e = Expectations::<String>::default();
+        assert_eq!(ahead(&e, "S/ns/a", "10"), None, "no write");
+        wrote_answered(&e, "S/ns/a", "10", "11");
+        wrote_answered(&e, "S/ns/a", "11", "12");
+        assert_eq!(ahead(&e, "S/ns/a", "10"), Some("12".into()));
+        assert_eq!(ahead(&e, "S/ns/a", "11"), Some("12".into()));
         assert_eq!(
-            e.ahead_of_store("S/ns/a", Some("13")),
+            ahead(&e, "S/ns/a", "13"),
             None,
             "the store moved past our writes: it is the newest"
         );
         // A write decided from our last answer lost (409): someone wrote after us.
         e.conflicted("S/ns/a".into(), Some("12".into()));
-        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None);
+        assert_eq!(ahead(&e, "S/ns/a", "10"), None);
         // A 409 of a write conditioned on the store's old version leaves our answer current.
-        e.wrote("S/ns/b".into(), Some("40".into()), Some("41".into()));
+        wrote_answered(&e, "S/ns/b", "40", "41");
         e.conflicted("S/ns/b".into(), Some("40".into()));
-        assert_eq!(e.ahead_of_store("S/ns/b", Some("40")), Some("41".into()));
+        assert_eq!(ahead(&e, "S/ns/b", "40"), Some("41".into()));
         // Deleted: no answer to decide from.
+        wrote_answered(&e, "S/ns/c", "19", "20");
         e.wrote("S/ns/c".into(), Some("20".into()), None);
-        assert_eq!(e.ahead_of_store("S/ns/c", Some("20")), None);
-        assert!(!met(&e, "S/ns/a", Some("10")), "asking ends no expectation");
+        assert_eq!(ahead(&e, "S/ns/c", "20"), None);
+        assert!(
+            e.check("S/ns/a", Some("10")) != Seen::Met,
+            "asking ends no expectation"
+        );
+    }
+
+    /// The answer belongs to one write: a later write whose answer was not kept leaves none,
+    /// an answer to a write that is no longer the last is not kept, and the answer goes with
+    /// the entry once the store shows the write.
+    #[test]
+    fn an_answer_lives_and_dies_with_its_write() {
+        let e = Expectations::<String>::default();
+        wrote_answered(&e, "S/ns/a", "10", "11");
+        e.wrote("S/ns/a".into(), Some("11".into()), Some("12".into()));
+        assert_eq!(
+            ahead(&e, "S/ns/a", "10"),
+            None,
+            "the last write has no answer"
+        );
+        e.answered("S/ns/a", Some("11"), "11".into());
+        assert_eq!(
+            ahead(&e, "S/ns/a", "10"),
+            None,
+            "11 is no longer our last write"
+        );
+        e.answered("S/ns/a", Some("12"), "12".into());
+        assert_eq!(ahead(&e, "S/ns/a", "10"), Some("12".into()));
+        assert_eq!(e.check("S/ns/a", Some("12")), Seen::Met);
+        assert!(
+            e.is_empty(),
+            "the store showed the write: entry and answer are gone"
+        );
+        e.answered("S/ns/a", Some("12"), "12".into());
+        assert!(e.is_empty(), "no write, nothing to attach an answer to");
+        assert_eq!(ahead(&e, "S/ns/a", "10"), None);
     }
 
     /// A pass deciding from an answer writes again. A chain of such writes the store never
@@ -592,21 +658,17 @@ mod tests {
     /// current): the chain stops while there is room, and the passes wait for the store.
     #[test]
     fn answers_stop_before_a_chain_of_writes_forgets_the_stores_version() {
-        let e = Expectations::default();
-        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
+        let e = Expectations::<String>::default();
+        wrote_answered(&e, "S/ns/a", "10", "11");
         let mut answered = 0;
         for version in 12..40 {
-            let Some(answer) = e.ahead_of_store("S/ns/a", Some("10")) else {
+            let Some(answer) = ahead(&e, "S/ns/a", "10") else {
                 break;
             };
             answered += 1;
             // A spec write, then a status write, both from the answer.
-            e.wrote(
-                "S/ns/a".into(),
-                Some(answer.clone()),
-                Some(version.to_string()),
-            );
-            e.wrote("S/ns/a".into(), Some(answer), Some(format!("{version}b")));
+            wrote_answered(&e, "S/ns/a", &answer, &version.to_string());
+            wrote_answered(&e, "S/ns/a", &answer, &format!("{version}b"));
         }
         assert!(answered > 0, "some passes decided from answers");
         assert!(answered < 28, "and then the chain stopped");
@@ -619,22 +681,22 @@ mod tests {
 
     #[test]
     fn past_the_ttl_an_answer_is_not_used_and_the_apiserver_is_asked() {
-        let e = Expectations::with_ttl(Duration::ZERO);
-        e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
-        assert_eq!(e.ahead_of_store("S/ns/a", Some("10")), None);
+        let e = Expectations::<String>::with_ttl(Duration::ZERO);
+        wrote_answered(&e, "S/ns/a", "10", "11");
+        assert_eq!(ahead(&e, "S/ns/a", "10"), None);
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         // The apiserver said the store is behind: until our next write, passes wait for it.
-        let e = Expectations::default();
-        e.wrote("S/ns/b".into(), Some("20".into()), Some("21".into()));
+        let e = Expectations::<String>::default();
+        wrote_answered(&e, "S/ns/b", "20", "21");
         assert!(!e.confirm("S/ns/b", Some("20"), Some("21"), e.asking()));
-        assert_eq!(e.ahead_of_store("S/ns/b", Some("20")), None);
-        e.wrote("S/ns/b".into(), Some("21".into()), Some("22".into()));
-        assert_eq!(e.ahead_of_store("S/ns/b", Some("20")), Some("22".into()));
+        assert_eq!(ahead(&e, "S/ns/b", "20"), None);
+        wrote_answered(&e, "S/ns/b", "21", "22");
+        assert_eq!(ahead(&e, "S/ns/b", "20"), Some("22".into()));
     }
 
     #[test]
     fn a_write_that_changed_nothing_expects_nothing() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote("S/ns/a".into(), Some("3".into()), Some("3".into()));
         assert!(met(&e, "S/ns/a", Some("3")));
         assert!(e.is_empty());
@@ -645,7 +707,7 @@ mod tests {
     /// store is behind and the wait goes on.
     #[test]
     fn past_the_ttl_the_wait_ends_only_when_the_apiserver_agrees_with_the_store() {
-        let e = Expectations::with_ttl(Duration::ZERO);
+        let e = Expectations::<()>::with_ttl(Duration::ZERO);
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         // The apiserver has our write (11) or a later one (14): the store is behind.
@@ -671,7 +733,7 @@ mod tests {
     /// so it ends nothing (before, "the apiserver agrees with the store" dropped the new write).
     #[test]
     fn an_answer_older_than_a_write_ends_nothing() {
-        let e = Expectations::with_ttl(Duration::ZERO);
+        let e = Expectations::<()>::with_ttl(Duration::ZERO);
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         let asked = e.asking();
@@ -688,7 +750,7 @@ mod tests {
 
     #[test]
     fn a_confirmed_lag_waits_a_whole_ttl_before_the_next_question() {
-        let mut e = Expectations::with_ttl(Duration::ZERO);
+        let mut e = Expectations::<()>::with_ttl(Duration::ZERO);
         e.wrote("S/ns/a".into(), Some("10".into()), Some("11".into()));
         assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
         e.ttl = Duration::from_secs(3600);
@@ -704,7 +766,7 @@ mod tests {
 
     #[test]
     fn overdue_entries_are_found_before_waiting_ones() {
-        let e = Expectations::with_ttl(Duration::from_secs(60));
+        let e = Expectations::<()>::with_ttl(Duration::from_secs(60));
         e.wrote("H/ns/a".into(), Some("1".into()), Some("2".into()));
         e.wrote("H/ns/b".into(), Some("5".into()), Some("6".into()));
         if let Ok(mut pending) = e.pending.lock()
@@ -726,7 +788,7 @@ mod tests {
     /// another machine wrote: under a storm that wait never ended.
     #[test]
     fn a_pass_waits_only_for_the_writes_that_concern_it() {
-        let e = Expectations::default();
+        let e = Expectations::<()>::default();
         e.wrote_for(
             "H/ns/a".into(),
             Some("1".into()),

@@ -65,9 +65,6 @@ pub async fn sweep(hosts: &HostContext, machines: &MachineContext, boot: &BootSt
         .power_ons
         .retain(|k| live_machine_objects.contains(k));
     machines.expectations.expire();
-    machines
-        .fresh_machines
-        .retain(|k| live_machine_objects.contains(k));
     hosts.expectations.expire();
     boot.retain_pins(|secret| live_boot_secrets.contains(secret));
     Swept {

@@ -186,10 +186,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 // The last finalizer gone, the object is deleted, and the answer may carry the
                 // very version it replaced (which sets no expectation): expect the deletion.
                 Ok(_) if removing && emptied => {
-                    ctx.fresh_machines.forget(&mm_key);
                     ctx.expectations.wrote(mm_key.clone(), replaced, None)
                 }
-                Ok(written) => ctx.fresh_machines.keep(written),
+                Ok(written) => super::keep_answer(ctx, written),
                 // Already gone: a pass decided from a store that still shows the deleted object.
                 Err(ActError::Api(ReconcileError::Write {
                     source: kube::Error::Api(ref s),
@@ -391,7 +390,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let written =
                 patch_from(ctx, mm, &machines, &name, replaced, patch, "providerID").await?;
             let generation = written.metadata.generation;
-            ctx.fresh_machines.keep(written);
+            super::keep_answer(ctx, written);
             Ok(Acted { generation })
         }
         Step::RestartToDisk { host } => {

@@ -108,73 +108,22 @@ impl FreshSecrets {
     }
 }
 
-/// MetalMachines as the answers to this controller's own writes returned them, until the store
-/// shows them. A pass right after a write (a host calling back moments after its power-on pass
-/// wrote the status) decided nothing until the watch brought that write back: at N=1000 about
-/// one callback in one waited so, 50 ms at a time. The answer is the apiserver's copy, as new as
-/// anything this controller knows while the store shows a version the write replaced.
-#[derive(Default)]
-pub struct FreshMachines(Mutex<HashMap<String, Arc<MetalMachine>>>);
-
-/// Answers of machines no pass looked at again are dropped past this many (2 to 4 KiB each).
-const FRESH_MACHINES_MAX: usize = 1024;
-
-impl FreshMachines {
-    /// Keeps the answer to a write of `written` (without its managedFields, as the stores do).
-    pub fn keep(&self, mut written: MetalMachine) {
-        written.metadata.managed_fields = None;
-        let key = object_key(
-            "MetalMachine",
-            written.metadata.namespace.as_deref().unwrap_or_default(),
-            &written.name_any(),
-        );
-        if let Ok(mut fresh) = self.0.lock() {
-            if fresh.len() >= FRESH_MACHINES_MAX {
-                fresh.clear();
-            }
-            fresh.insert(key, Arc::new(written));
-        }
-    }
-
-    /// The kept answer for `key` while it is newer than the store's copy (`seen`) and is our
-    /// last write (see [`Expectations::ahead_of_store`]); otherwise it is forgotten.
-    pub fn ahead_of_store(
-        &self,
-        expectations: &Expectations,
-        key: &str,
-        seen: Option<&str>,
-    ) -> Option<Arc<MetalMachine>> {
-        let mut fresh = self.0.lock().ok()?;
-        let kept = fresh.get(key)?;
-        let ahead = expectations.ahead_of_store(key, seen);
-        if ahead.is_some() && ahead == kept.resource_version() {
-            return Some(kept.clone());
-        }
-        fresh.remove(key);
-        None
-    }
-
-    /// Drops the answer for `key` (the machine is gone).
-    pub fn forget(&self, key: &str) {
-        if let Ok(mut fresh) = self.0.lock() {
-            fresh.remove(key);
-        }
-    }
-
-    /// Keeps only the answers of machines `keep` names (those still in the store).
-    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        if let Ok(mut fresh) = self.0.lock() {
-            fresh.retain(|key, _| keep(key));
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.lock().map(|f| f.len()).unwrap_or_default()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+/// Keeps the answer to this controller's write of a MetalMachine (its status, finalizers or
+/// providerID) with the write's expectation, without its managedFields as the stores keep them.
+/// A pass right after a write (a host calling back moments after its power-on pass wrote the
+/// status) decided nothing until the watch brought that write back: at N=1000 about one callback
+/// in two waited so, 50 ms at a time. While the store shows a version the write replaced, the
+/// answer is the apiserver's copy and as new as anything this controller knows
+/// ([`Expectations::ahead_of_store`]).
+fn keep_answer(ctx: &MachineContext, mut written: MetalMachine) {
+    written.metadata.managed_fields = None;
+    let key = object_key(
+        "MetalMachine",
+        written.metadata.namespace.as_deref().unwrap_or_default(),
+        &written.name_any(),
+    );
+    let version = written.metadata.resource_version.clone();
+    ctx.expectations.answered(&key, version.as_deref(), written);
 }
 
 pub struct MachineContext {
@@ -189,9 +138,10 @@ pub struct MachineContext {
     /// The power-on (or cycle) last sent for each machine, and when: a BMC applies it
     /// asynchronously, so deprovisioning does not trust an Off read until it had time to land.
     pub power_ons: PowerRequests,
-    pub expectations: Expectations,
+    /// Writes the stores have not shown yet, with the answers to this controller's MetalMachine
+    /// writes (a pass decides from those instead of waiting for the watch).
+    pub expectations: Expectations<MetalMachine>,
     pub fresh_secrets: FreshSecrets,
-    pub fresh_machines: FreshMachines,
     /// One pass per machine at a time, between the controller and the callback lane.
     pub pass_locks: PassLocks,
     /// Callback-lane passes running now (see [`callback_lane`]).
@@ -457,7 +407,7 @@ async fn write_status(
         mm.resource_version(),
         written.resource_version(),
     );
-    ctx.fresh_machines.keep(written);
+    keep_answer(ctx, written);
     Ok(())
 }
 

@@ -85,10 +85,7 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
     // The store still shows a version this controller's last write replaced: decide from that
     // write's answer instead of waiting for the watch (the expectation stays until it shows it).
     let seen = mm.resource_version();
-    let mm = match ctx
-        .fresh_machines
-        .ahead_of_store(&ctx.expectations, &mm_key, seen.as_deref())
-    {
+    let mm = match ctx.expectations.ahead_of_store(&mm_key, seen.as_deref()) {
         Some(fresh) => fresh,
         None => {
             if !store_reflects(
