@@ -189,6 +189,21 @@ async fn apiserver_requests(client: &kube::Client) -> Verbs {
     verbs
 }
 
+/// The apiserver's own CPU profile over `seconds` (its profiling endpoint, on by default).
+async fn apiserver_profile(client: &kube::Client, seconds: u32) -> Result<Vec<u8>, String> {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(format!("/debug/pprof/profile?seconds={seconds}"))
+        .body(kube::client::Body::empty())
+        .map_err(|e| e.to_string())?;
+    let response = client.send(req).await.map_err(|e| e.to_string())?;
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(body.to_bytes().to_vec())
+}
+
 fn delta(after: &Verbs, before: &Verbs) -> String {
     after
         .iter()
@@ -522,6 +537,28 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         stages_before.push(callback_stage_buckets(&boot_url, stage).await);
     }
     let passes_before = labelled_counter(&boot_url, PASSES).await;
+    // SCALE_APISERVER_PROFILE=<file>: a CPU profile of the apiserver over the provisioning
+    // burst (`go tool pprof -top <kube-apiserver> <file>` shows where its CPU goes).
+    let profile = std::env::var_os("SCALE_APISERVER_PROFILE").map(|out| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let seconds = std::env::var("SCALE_APISERVER_PROFILE_SECONDS")
+                .ok()
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(60);
+            match apiserver_profile(&client, seconds).await {
+                Ok(bytes) => match std::fs::write(&out, &bytes) {
+                    Ok(()) => println!(
+                        "apiserver CPU profile ({seconds}s, {} bytes) in {}",
+                        bytes.len(),
+                        PathBuf::from(&out).display()
+                    ),
+                    Err(e) => println!("apiserver CPU profile not written: {e}"),
+                },
+                Err(e) => println!("apiserver CPU profile failed: {e}"),
+            }
+        })
+    });
     let started = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
@@ -551,6 +588,9 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     })
     .await;
     row.provision = created + rest;
+    if let Some(profile) = profile {
+        let _ = profile.await;
+    }
     let after = apiserver_requests(&client).await;
     println!(
         "N={n} provision: {:.1}s (objects created in {created:.1}s); apiserver: {}",
