@@ -992,7 +992,8 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     // 6. The store has not shown this controller's own last write to the MetalMachine yet (a
     //    host calls back moments after its power-on pass wrote the status). The pass decides
     //    from that write's answer, not from the store's older copy, and the expectation stays
-    //    until the store shows the write. An answer a later write superseded is not used.
+    //    until the store shows the write. An answer whose own version a 409 marked stale is not
+    //    used, and the answer goes once the store shows the write.
     fill(&mut boot_secrets_w, vec![called_back.clone()]);
     fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
     let live = lab.metal_machine("m1").await.expect("m1");
@@ -1006,9 +1007,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
         panic!("without the write's answer, the pass waits for the store");
     };
-    wrote_last
-        .expectations
-        .answered(&mm_key, live.resource_version().as_deref(), live.clone());
+    metalmachine::keep_answer(&wrote_last, live.clone());
     let observe::Observation::Ready(observed) = observe::observe(&wrote_last, held.clone()).await
     else {
         panic!("with the write's answer, the pass decides");
@@ -1073,6 +1072,27 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     let observe::Observation::Stale(_) = observe::observe(&wrote_last, held.clone()).await else {
         panic!("a write decided from the answer lost a 409: the answer is not used again");
     };
+    // The store shows a version past the one the 409 marked stale: the expectation is met, and
+    // the answer it held goes with it.
+    assert_eq!(wrote_last.expectations.answers_held(), 1);
+    let moved = Api::<MetalMachine>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .patch(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"test/moved": "1"}}})),
+        )
+        .await
+        .expect("annotate m1");
+    fill(&mut metal_machines_w, vec![moved.clone()]);
+    let observe::Observation::Ready(_) = observe::observe(&wrote_last, Arc::new(moved)).await
+    else {
+        panic!("the store caught up");
+    };
+    assert_eq!(
+        wrote_last.expectations.answers_held(),
+        0,
+        "and it is dropped"
+    );
 }
 
 /// What `status.bmc.bootOnce` says of host-0, once it says something.

@@ -76,9 +76,27 @@ struct Pending<A> {
     /// gave to a question asked before then says nothing about the later write.
     recorded: u64,
     /// The apiserver's answer to the write that produced `written`, when the writer kept it
-    /// ([`Expectations::answered`]); dropped with the entry once the store shows the write, and
-    /// by the next write that comes without one.
-    answer: Option<Arc<A>>,
+    /// ([`Expectations::answered`]); dropped with the entry once the store shows the write, by
+    /// the next write that comes without one, and once the wait is overdue.
+    answer: Option<Kept<A>>,
+}
+
+/// How many answers one controller holds at most (2 to 4 KiB each for a MetalMachine). Past it,
+/// a write's answer is not kept and the next pass waits for the store, as without answers: at
+/// N=10,000 a queue of passes tens of seconds long would otherwise hold one per machine.
+const ANSWERS_KEPT: usize = 1024;
+
+/// An answer, counted in its controller's [`Expectations::answers_held`] for as long as it lives:
+/// however its entry goes (met, swept, forgotten, replaced by a later write), the count follows.
+struct Kept<A> {
+    answer: Arc<A>,
+    held: Arc<AtomicUsize>,
+}
+
+impl<A> Drop for Kept<A> {
+    fn drop(&mut self) {
+        self.held.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Expectations of one controller, keyed by `Kind/namespace/name`. `A` is what the controller
@@ -92,6 +110,8 @@ pub struct Expectations<A = ()> {
     sweep_at: AtomicUsize,
     /// Writes recorded so far (see `Pending::recorded`).
     records: AtomicU64,
+    /// Answers held now (at most [`ANSWERS_KEPT`]).
+    answers_held: Arc<AtomicUsize>,
 }
 
 /// The smallest map a write-time sweep waits for.
@@ -111,6 +131,7 @@ impl<A> Expectations<A> {
             ttl,
             sweep_at: AtomicUsize::new(SWEEP_AT_LEAST),
             records: AtomicU64::new(0),
+            answers_held: Arc::default(),
         }
     }
 
@@ -231,12 +252,18 @@ impl<A> Expectations<A> {
         let Ok(mut pending) = self.pending.lock() else {
             return Seen::Met;
         };
-        let Some(entry) = pending.get(key) else {
+        let Some(entry) = pending.get_mut(key) else {
             return Seen::Met;
         };
         let state = state_of(entry, seen);
-        if state == Seen::Met {
-            pending.remove(key);
+        match state {
+            Seen::Met => {
+                pending.remove(key);
+            }
+            // Past the TTL the apiserver decides, never the answer again: whatever it says,
+            // the answer is as old as the wait.
+            Seen::Overdue => entry.answer = None,
+            Seen::Waiting => {}
         }
         state
     }
@@ -244,14 +271,29 @@ impl<A> Expectations<A> {
     /// Keeps `answer`, the apiserver's reply to our write to `key` that produced `version`,
     /// for [`Expectations::ahead_of_store`]. Only while that write is still our last one: the
     /// answer lives in the write's own entry, so it goes when the store shows the write.
+    /// At most [`ANSWERS_KEPT`] are held; past that, the answer is dropped.
     pub fn answered(&self, key: &str, version: Option<&str>, answer: A) {
         if let Ok(mut pending) = self.pending.lock()
             && let Some(entry) = pending.get_mut(key)
             && entry.written.is_some()
             && entry.written.as_deref() == version
         {
-            entry.answer = Some(Arc::new(answer));
+            // The one this replaces (if any) is counted out first.
+            entry.answer = None;
+            if self.answers_held.load(Ordering::Relaxed) >= ANSWERS_KEPT {
+                return;
+            }
+            self.answers_held.fetch_add(1, Ordering::Relaxed);
+            entry.answer = Some(Kept {
+                answer: Arc::new(answer),
+                held: self.answers_held.clone(),
+            });
         }
+    }
+
+    /// Answers held now.
+    pub fn answers_held(&self) -> usize {
+        self.answers_held.load(Ordering::Relaxed)
     }
 
     /// The answer to our last write to `key`, while the store shows (`seen`) a version our
@@ -265,7 +307,7 @@ impl<A> Expectations<A> {
     pub fn ahead_of_store(&self, key: &str, seen: Option<&str>) -> Option<Arc<A>> {
         let pending = self.pending.lock().ok()?;
         let entry = pending.get(key)?;
-        let answer = entry.answer.clone()?;
+        let answer = entry.answer.as_ref()?.answer.clone();
         let superseded = entry.replaced.contains(&entry.written);
         let room = entry.replaced.len() + ANSWERED_PASS_WRITES <= REPLACED_KEPT;
         let waiting = state_of(entry, seen) == Seen::Waiting && !entry.reported;
@@ -651,6 +693,47 @@ mod tests {
         e.answered("S/ns/a", Some("12"), "12".into());
         assert!(e.is_empty(), "no write, nothing to attach an answer to");
         assert_eq!(ahead(&e, "S/ns/a", "10"), None);
+    }
+
+    /// Past the TTL the answer is gone for good: a failed question to the apiserver moves the
+    /// next one a TTL ahead, and the entry is then waiting again, but the answer is as old as
+    /// the wait and is never used again.
+    #[test]
+    fn an_overdue_wait_drops_its_answer_even_when_the_apiserver_cannot_be_asked() {
+        let mut e = Expectations::<String>::with_ttl(Duration::ZERO);
+        wrote_answered(&e, "S/ns/a", "10", "11");
+        assert_eq!(e.answers_held(), 1);
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Overdue);
+        e.ttl = Duration::from_secs(3600);
+        e.unconfirmed("S/ns/a");
+        assert_eq!(e.check("S/ns/a", Some("10")), Seen::Waiting);
+        assert_eq!(ahead(&e, "S/ns/a", "10"), None);
+        assert_eq!(e.answers_held(), 0);
+    }
+
+    /// Answers are counted however their entries go, and past the bound none is kept: the
+    /// passes then wait for the store, as they would without answers.
+    #[test]
+    fn answers_held_are_bounded_and_counted_out_however_they_go() {
+        let e = Expectations::<String>::default();
+        // A delete has no answer to keep.
+        e.wrote("S/ns/gone".into(), Some("1".into()), None);
+        e.answered("S/ns/gone", None, "1".into());
+        assert_eq!(e.answers_held(), 0);
+        for i in 0..ANSWERS_KEPT + 1 {
+            wrote_answered(&e, &format!("S/ns/m{i}"), "10", "11");
+        }
+        assert_eq!(e.answers_held(), ANSWERS_KEPT);
+        let last = format!("S/ns/m{ANSWERS_KEPT}");
+        assert_eq!(ahead(&e, &last, "10"), None, "past the bound: not kept");
+        assert_eq!(ahead(&e, "S/ns/m0", "10"), Some("11".into()));
+        // Met, forgotten, replaced by a write without one: each counts out.
+        assert_eq!(e.check("S/ns/m0", Some("11")), Seen::Met);
+        e.forget("S/ns/m1");
+        e.wrote("S/ns/m2".into(), Some("11".into()), Some("12".into()));
+        assert_eq!(e.answers_held(), ANSWERS_KEPT - 3);
+        wrote_answered(&e, &last, "11", "12");
+        assert_eq!(ahead(&e, &last, "10"), Some("12".into()), "room again");
     }
 
     /// A pass deciding from an answer writes again. A chain of such writes the store never

@@ -115,7 +115,7 @@ impl FreshSecrets {
 /// in two waited so, 50 ms at a time. While the store shows a version the write replaced, the
 /// answer is the apiserver's copy and as new as anything this controller knows
 /// ([`Expectations::ahead_of_store`]).
-fn keep_answer(ctx: &MachineContext, mut written: MetalMachine) {
+pub fn keep_answer(ctx: &MachineContext, mut written: MetalMachine) {
     written.metadata.managed_fields = None;
     let key = object_key(
         "MetalMachine",
