@@ -444,7 +444,7 @@ async fn reconcile(host: Arc<MetalHost>, ctx: Arc<HostContext>) -> Result<Action
     let object = key(host.as_ref());
     ctx.stores.until_listed().await;
     crate::stores::until_ready(&ctx.secret_meta).await;
-    super::instrumented(CONTROLLER, object, Box::pin(pass(host, &ctx))).await
+    super::instrumented(CONTROLLER, object, pass(host, &ctx)).await
 }
 
 async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, ReconcileError> {

@@ -248,31 +248,39 @@ pub fn backoff_delay(n: u32) -> Duration {
     Backoff::BASE.saturating_mul(1u32 << exp).min(Backoff::MAX)
 }
 
+/// What a reconcile pass ends with: the controller's next action, or why it failed.
+pub type PassOutcome = Result<kube::runtime::controller::Action, ReconcileError>;
+
 /// Runs one reconcile pass of `controller` over `object` in a span naming both, and records its
 /// duration, error category and per-object pass count (what tests wait on).
 ///
-/// Callers pass the pass boxed: every layer that takes a future by value (this one, a task-local
-/// scope, the runner's task) holds it inline and often twice, so an unboxed MetalMachine pass of
-/// 13 KB made a 54 KB task, allocated for each of up to [`CONCURRENT_PASSES`] running passes.
-pub async fn instrumented<F>(
-    controller: &str,
+/// The pass is boxed here, before any await: every layer that takes a future by value (this one,
+/// a task-local scope, the runner's task) holds it inline and often twice, so an unboxed
+/// MetalMachine pass of 13 KB made a 54 KB task, allocated for each of up to
+/// [`CONCURRENT_PASSES`] running passes. Boxing here rather than at each call site means a new
+/// caller cannot forget it; the `task_size` tests guard the result.
+pub fn instrumented<'a, F>(
+    controller: &'a str,
     object: String,
     pass: F,
-) -> Result<kube::runtime::controller::Action, ReconcileError>
+) -> impl std::future::Future<Output = PassOutcome> + 'a
 where
-    F: std::future::Future<Output = Result<kube::runtime::controller::Action, ReconcileError>>,
+    F: std::future::Future<Output = PassOutcome> + 'a,
 {
     use tracing::Instrument;
-    let started = std::time::Instant::now();
-    let span = tracing::info_span!("reconcile", controller, object = %object);
-    let result = pass.instrument(span).await;
-    crate::metrics::record_reconcile(
-        controller,
-        result.as_ref().err().map(|e| e.category()),
-        started.elapsed(),
-    );
-    crate::metrics::record_pass(controller, &object);
-    result
+    let pass = Box::pin(pass);
+    async move {
+        let started = std::time::Instant::now();
+        let span = tracing::info_span!("reconcile", controller, object = %object);
+        let result = pass.instrument(span).await;
+        crate::metrics::record_reconcile(
+            controller,
+            result.as_ref().err().map(|e| e.category()),
+            started.elapsed(),
+        );
+        crate::metrics::record_pass(controller, &object);
+        result
+    }
 }
 
 /// How many passes one controller runs at once. Unbounded, a burst of 10,000 changes starts

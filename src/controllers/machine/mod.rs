@@ -350,7 +350,7 @@ async fn reconcile(
     if let Some(metal_machines) = &ctx.metal_machines {
         crate::stores::until_ready(metal_machines).await;
     }
-    super::instrumented(CONTROLLER, object, Box::pin(pass(m, &ctx))).await
+    super::instrumented(CONTROLLER, object, pass(m, &ctx)).await
 }
 
 /// One pass: deletion is its own pipeline; otherwise observe → decide → act → status.

@@ -537,7 +537,7 @@ async fn pass_in_turn(
         .get(&ObjectRef::from_obj(mm.as_ref()))
         .unwrap_or(mm);
     let notes = Mutex::new(PassNotes::default());
-    let pass = super::instrumented(CONTROLLER, object, Box::pin(pass_noting(mm, ctx, &notes)));
+    let pass = super::instrumented(CONTROLLER, object, pass_noting(mm, ctx, &notes));
     let action = crate::kubeconn::gate::with_priority(turn.priority(), pass).await?;
     let notes = notes.into_inner().unwrap_or_default();
     Ok(match notes.stale {
