@@ -398,7 +398,12 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
             .args(["--namespace", NAMESPACE, "--standalone", "true"])
             .args(["--boot-http-bind", &format!("127.0.0.1:{boot_port}")])
             .args(["--advertise-url", &boot_url, "--no-tftp", "--dhcp", "off"])
-            .args(["--log-level", "warn"])
+            // SCALE_MANAGER_LOG=<filter>: e.g. `warn,kube_client::client::builder=debug` logs
+            // every apiserver request with its URL (who reads what).
+            .args([
+                "--log-level",
+                &std::env::var("SCALE_MANAGER_LOG").unwrap_or_else(|_| "warn".into()),
+            ])
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log)
