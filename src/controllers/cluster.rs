@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kube::ResourceExt;
-use kube::api::{Api, Patch};
+use kube::api::{Api, DynamicObject, Patch};
 use kube::runtime::controller::Action;
 use kube::runtime::{Controller, watcher};
 
@@ -42,7 +42,7 @@ async fn reconcile(
     else {
         return Ok(Action::await_change());
     };
-    let infra = refs::api_for(&ctx.client, &ns, &infra_ref)
+    let infra = refs::api_for::<DynamicObject>(&ctx.client, &ns, &infra_ref)
         .await?
         .get_opt(&infra_ref.name)
         .await
@@ -52,9 +52,7 @@ async fn reconcile(
         )))?;
     let mut status = cluster.status.clone().unwrap_or_default();
     let now = conditions::now();
-    let provisioned = infra
-        .as_ref()
-        .is_some_and(|i| refs::ready(i, "provisioned"));
+    let provisioned = infra.as_ref().is_some_and(refs::provisioned);
     let was = cluster.infrastructure_provisioned();
     if provisioned || was {
         status.initialization = Some(ClusterStatusInitialization {

@@ -2,10 +2,11 @@
 //! references are conditioned on the resourceVersion that was read.
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, DynamicObject, Patch};
+use kube::api::{Api, Patch};
 use kube::{Resource, ResourceExt};
 
 use crate::api::{CLUSTER_NAME_LABEL, Machine};
+use crate::controllers::refs::ContractObject;
 use crate::controllers::{ReconcileError, conditioned, merge_params, refs};
 
 use super::decide::Step;
@@ -52,7 +53,7 @@ fn stale_on_conflict(ctx: &MachineContext, e: &kube::Error, key: String, version
 async fn adopt(
     ctx: &MachineContext,
     m: &Machine,
-    obj: &DynamicObject,
+    obj: &ContractObject,
     r: &crate::api::common::ContractVersionedObjectReference,
 ) -> Result<(), ReconcileError> {
     let Some(owner) = m.controller_owner_ref(&()) else {
@@ -72,7 +73,7 @@ async fn adopt(
     );
     let namespace = m.namespace().unwrap_or_default();
     let key = crate::controllers::expectations::object_key(&r.kind, &namespace, &obj.name_any());
-    let api = refs::api_for(&ctx.client, &namespace, r).await?;
+    let api = refs::api_for::<ContractObject>(&ctx.client, &namespace, r).await?;
     let written = api
         .patch(
             &obj.name_any(),

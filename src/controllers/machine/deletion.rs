@@ -14,6 +14,7 @@ use crate::api::capi::MachineStatus;
 use crate::api::{Cluster, Machine};
 use crate::controllers::conditions::{self, Want};
 use crate::controllers::expectations::{self, Seen};
+use crate::controllers::refs::ContractObject;
 use crate::controllers::{ReconcileError, drain, is_paused, key, refs};
 
 use super::observe::cluster_of;
@@ -157,7 +158,7 @@ async fn cleanup(
     let mut refs_in_order = vec![m.spec.infrastructure_ref.clone()];
     refs_in_order.extend(m.spec.bootstrap.config_ref.clone());
     for r in refs_in_order.into_iter().filter(|r| !r.name.is_empty()) {
-        let api = refs::api_for(&ctx.client, &ns, &r).await?;
+        let api = refs::api_for::<ContractObject>(&ctx.client, &ns, &r).await?;
         // The watched copy when there is one: a store that still shows a deleted object only
         // makes this wait, and its deletion event wakes the Machine. A miss is confirmed by a GET.
         let obj = match ctx.cached_reference(&r, &ns) {

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, DynamicObject};
+use kube::api::Api;
 use kube::core::{ApiResource, DeserializeGuard};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -36,6 +36,7 @@ use tokio::task::JoinHandle;
 
 use crate::api::capi::MachineStatus;
 use crate::api::{Cluster, Machine, MetalMachine};
+use crate::controllers::refs::ContractObject;
 
 use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
 pub use workloads::Workloads;
@@ -66,7 +67,7 @@ pub struct Triggers {
 /// referenced objects of that kind instead of a GET per pass.
 struct WatchedKind {
     task: JoinHandle<()>,
-    store: Store<DynamicObject>,
+    store: Store<ContractObject>,
     resource: ApiResource,
 }
 
@@ -99,7 +100,7 @@ impl Triggers {
         if kinds.get(&key).is_some_and(|k| !k.task.is_finished()) {
             return;
         }
-        let api: Api<DynamicObject> = match namespace {
+        let api: Api<ContractObject> = match namespace {
             Some(ns) => Api::namespaced_with(client.clone(), ns, ar),
             None => Api::all_with(client.clone(), ar),
         };
@@ -109,7 +110,7 @@ impl Triggers {
         let store = writer.as_reader();
         let reader = store.clone();
         let task = tokio::spawn(async move {
-            let wake = |obj: &DynamicObject| {
+            let wake = |obj: &ContractObject| {
                 let namespace = obj.namespace().unwrap_or_default();
                 for owner in obj.owner_references() {
                     if owner.kind == "Machine" && owner.api_version.starts_with("cluster.x-k8s.io/")
@@ -159,7 +160,7 @@ impl Triggers {
         kind: &str,
         namespace: &str,
         name: &str,
-    ) -> Option<DynamicObject> {
+    ) -> Option<ContractObject> {
         let kinds = self.kinds.lock().ok()?;
         let watched = kinds.get(&(group.to_string(), kind.to_string()))?;
         futures::FutureExt::now_or_never(watched.store.wait_until_ready())?.ok()?;
@@ -244,26 +245,20 @@ pub struct MachineContext {
 }
 
 impl MachineContext {
-    /// A referenced object from the manager's own stores, as a dynamic object: whole for a
-    /// MetalMachine, only metadata and the contract fields for a watched kind. Read nothing else
-    /// from it. None when it is not cached (not seen yet): the caller then reads it.
+    /// A referenced object from the manager's own stores, as its contract fields: a MetalMachine
+    /// from the shared typed store, another kind from its own watch. None when it is not cached
+    /// (not seen yet): the caller then reads it.
     pub fn cached_reference(
         &self,
         r: &crate::api::common::ContractVersionedObjectReference,
         namespace: &str,
-    ) -> Option<kube::api::DynamicObject> {
-        fn dynamic<K: serde::Serialize>(obj: Option<Arc<K>>) -> Option<kube::api::DynamicObject> {
-            serde_json::to_value(obj?.as_ref())
-                .ok()
-                .and_then(|v| serde_json::from_value(v).ok())
-        }
+    ) -> Option<ContractObject> {
         use kube::runtime::reflector::ObjectRef;
         if r.api_group == MetalMachine::group(&()) && r.kind == MetalMachine::kind(&()) {
-            dynamic(
-                self.metal_machines
-                    .as_ref()?
-                    .get(&ObjectRef::new(&r.name).within(namespace)),
-            )
+            self.metal_machines
+                .as_ref()?
+                .get(&ObjectRef::new(&r.name).within(namespace))
+                .map(|mm| ContractObject::of_metal_machine(&mm))
         } else {
             self.triggers
                 .cached(&r.api_group, &r.kind, namespace, &r.name)

@@ -5,13 +5,13 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::DynamicObject;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 
-use crate::api::common::{ContractVersionedObjectReference, MachineAddress};
+use crate::api::common::ContractVersionedObjectReference;
 use crate::api::{CLUSTER_NAME_LABEL, Cluster, Machine};
+use crate::controllers::refs::{ContractObject, InitializationFlag};
 use crate::controllers::{ReconcileError, conditions, refs};
 
 use super::decide::{NodeView, Observed, RefView, Referenced};
@@ -27,7 +27,7 @@ pub fn cluster_of(
 }
 
 /// Owned by `m` (controller reference with its UID) and labelled with its cluster.
-pub fn adopted_by(obj: &DynamicObject, m: &Machine) -> bool {
+pub fn adopted_by(obj: &ContractObject, m: &Machine) -> bool {
     let owned = m.meta().uid.as_ref().is_some_and(|uid| {
         obj.owner_references()
             .iter()
@@ -37,27 +37,21 @@ pub fn adopted_by(obj: &DynamicObject, m: &Machine) -> bool {
 }
 
 fn view(
-    obj: &DynamicObject,
+    obj: &ContractObject,
     m: &Machine,
     r: &ContractVersionedObjectReference,
-    flag: &str,
+    flag: InitializationFlag,
 ) -> RefView {
-    let status = &obj.data["status"];
     RefView {
         kind: r.kind.clone(),
         name: r.name.clone(),
         adopted: adopted_by(obj, m),
-        ready: refs::ready(obj, flag),
-        failure: refs::failure(obj),
-        data_secret_name: status["dataSecretName"].as_str().map(str::to_string),
-        provider_id: obj.data["spec"]["providerID"].as_str().map(str::to_string),
-        addresses: serde_json::from_value::<Vec<MachineAddress>>(status["addresses"].clone())
-            .unwrap_or_default(),
-        waiting_message: status["conditions"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
-            .and_then(|c| c["message"].as_str())
-            .map(str::to_string),
+        ready: obj.ready(flag),
+        failure: obj.failure(),
+        data_secret_name: obj.status.data_secret_name.clone(),
+        provider_id: obj.spec.provider_id.clone(),
+        addresses: obj.status.addresses.clone(),
+        waiting_message: obj.status.ready_message.clone(),
     }
 }
 
@@ -66,8 +60,8 @@ pub async fn referenced(
     ctx: &MachineContext,
     m: &Machine,
     r: Option<&ContractVersionedObjectReference>,
-    flag: &str,
-) -> Result<(Referenced, Option<DynamicObject>), ReconcileError> {
+    flag: InitializationFlag,
+) -> Result<(Referenced, Option<ContractObject>), ReconcileError> {
     let Some(r) = r.filter(|r| !r.name.is_empty()) else {
         return Ok((Referenced::None, None));
     };
@@ -85,7 +79,7 @@ pub async fn referenced(
     let obj = match cached {
         Some(obj) => Some(obj),
         // Not cached (another provider's kind, or not seen yet): a miss is confirmed by a GET.
-        None => kube::api::Api::<DynamicObject>::namespaced_with(
+        None => kube::api::Api::<ContractObject>::namespaced_with(
             ctx.client.clone(),
             &namespace,
             &resource,
@@ -177,8 +171,8 @@ fn node_view(node: &Node, m: &Machine) -> NodeView {
 /// All reads of one pass. The referenced objects come back too, for `act` to adopt them.
 pub struct Observation {
     pub observed: Observed,
-    pub bootstrap_object: Option<DynamicObject>,
-    pub infra_object: Option<DynamicObject>,
+    pub bootstrap_object: Option<ContractObject>,
+    pub infra_object: Option<ContractObject>,
 }
 
 pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observation, ReconcileError> {
@@ -187,11 +181,16 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
         ctx,
         &m,
         m.spec.bootstrap.config_ref.as_ref(),
-        "dataSecretCreated",
+        InitializationFlag::DataSecretCreated,
     )
     .await?;
-    let (infra, infra_object) =
-        referenced(ctx, &m, Some(&m.spec.infrastructure_ref), "provisioned").await?;
+    let (infra, infra_object) = referenced(
+        ctx,
+        &m,
+        Some(&m.spec.infrastructure_ref),
+        InitializationFlag::Provisioned,
+    )
+    .await?;
     let infra_ready = matches!(&infra, Referenced::Found(v) if v.ready && v.provider_id.is_some());
     // The infrastructure's providerID, before this pass has copied it to the Machine: the pass
     // that copies it then also records the Node (one status write for Provisioned and Running,
@@ -238,4 +237,86 @@ pub async fn observe(ctx: &MachineContext, m: Arc<Machine>) -> Result<Observatio
         bootstrap_object,
         infra_object,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::MetalMachine;
+    use crate::api::capi::MachineSpec;
+
+    /// A MetalMachine is read from the typed shared store, any other kind from its JSON: both
+    /// roads give the Machine the same view, and the view holds what it decides from.
+    #[test]
+    fn a_metal_machine_reads_the_same_from_the_typed_store_as_from_its_json() {
+        let mut m = Machine::new(
+            "m1",
+            MachineSpec {
+                cluster_name: "c1".into(),
+                ..Default::default()
+            },
+        );
+        m.metadata.uid = Some("uid-m1".into());
+        let r = ContractVersionedObjectReference {
+            api_group: "infrastructure.cluster.x-k8s.io".into(),
+            kind: "MetalMachine".into(),
+            name: "m1".into(),
+        };
+        let condition = |kind: &str, message: &str| {
+            serde_json::json!({"type": kind, "status": "False", "reason": "Waiting",
+                "message": message, "lastTransitionTime": "2026-11-28T10:00:00Z",
+                "observedGeneration": 2})
+        };
+        let metal_machine = |status: serde_json::Value| -> MetalMachine {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                "kind": "MetalMachine",
+                "metadata": {"name": "m1", "namespace": "ns", "resourceVersion": "9",
+                    "labels": {CLUSTER_NAME_LABEL: "c1"},
+                    "annotations": {"note": "x"},
+                    "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2",
+                        "kind": "Machine", "name": "m1", "uid": "uid-m1", "controller": true}]},
+                "spec": {"providerID": "metalboot://ns/h1/u", "failureDomain": "rack-a"},
+                "status": status,
+            }))
+            .expect("a MetalMachine")
+        };
+        let statuses = [
+            serde_json::json!({
+                "ready": false, "phase": "Provisioning", "observedGeneration": 2,
+                "hostRef": {"name": "h1", "uid": "u"},
+                "initialization": {"provisioned": false},
+                "conditions": [condition("HostClaimed", "claimed h1"),
+                    condition("Ready", "waiting for the host's callback"),
+                    condition("Booted", "booting attempt 1")],
+            }),
+            serde_json::json!({
+                "ready": true, "initialization": {"provisioned": true},
+                "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+                "failureReason": "R", "failureMessage": "M",
+                "conditions": [condition("Booted", "booted")],
+            }),
+            serde_json::json!({}),
+        ];
+        let mut views = Vec::new();
+        for status in &statuses {
+            let typed = metal_machine(status.clone());
+            let from_store = ContractObject::of_metal_machine(&typed);
+            let mut from_json: ContractObject =
+                serde_json::from_value(serde_json::to_value(&typed).expect("json"))
+                    .expect("a contract object");
+            refs::keep_contract_fields(&mut from_json);
+            assert_eq!(from_store, from_json, "{status}");
+            views.push(view(&from_store, &m, &r, InitializationFlag::Provisioned));
+        }
+        assert!(views.iter().all(|v| v.adopted));
+        assert_eq!(
+            views[0].waiting_message.as_deref(),
+            Some("waiting for the host's callback")
+        );
+        assert!(!views[0].ready && views[1].ready && !views[2].ready);
+        assert_eq!(views[1].failure, Some(("R".into(), "M".into())));
+        assert_eq!(views[1].addresses.len(), 1);
+        assert_eq!(views[0].provider_id.as_deref(), Some("metalboot://ns/h1/u"));
+    }
 }
