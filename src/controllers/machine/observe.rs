@@ -100,6 +100,16 @@ pub async fn referenced(
     })
 }
 
+/// The Machine labels upstream syncs to its Node.
+pub fn synced_label(key: &str) -> bool {
+    key.starts_with("node-role.kubernetes.io/")
+        || key.starts_with("node-restriction.kubernetes.io/")
+        || key.starts_with("node.cluster.x-k8s.io/")
+}
+
+/// The Node annotations upstream's node syncing sets (all under this prefix).
+pub const SYNCED_ANNOTATION_PREFIX: &str = "cluster.x-k8s.io/";
+
 /// What upstream's node syncing would still change on `node`: the Machine's annotations, its
 /// node-role labels, and removal of the uninitialized taint. `None` when in sync.
 pub fn node_sync_patch(node: &Node, m: &Machine) -> Option<serde_json::Value> {
@@ -121,11 +131,7 @@ pub fn node_sync_patch(node: &Node, m: &Machine) -> Option<serde_json::Value> {
     let labels: serde_json::Map<String, serde_json::Value> = m
         .labels()
         .iter()
-        .filter(|(k, _)| {
-            k.starts_with("node-role.kubernetes.io/")
-                || k.starts_with("node-restriction.kubernetes.io/")
-                || k.starts_with("node.cluster.x-k8s.io/")
-        })
+        .filter(|(k, _)| synced_label(k))
         .filter(|(k, v)| node.labels().get(*k) != Some(*v))
         .map(|(k, v)| (k.clone(), v.clone().into()))
         .collect();
@@ -318,5 +324,63 @@ mod tests {
         assert_eq!(views[1].failure, Some(("R".into(), "M".into())));
         assert_eq!(views[1].addresses.len(), 1);
         assert_eq!(views[0].provider_id.as_deref(), Some("metalboot://ns/h1/u"));
+    }
+
+    /// The Node store keeps only what a Machine compares: whatever the Node carries besides,
+    /// the Machine sees the same Node and would sync the same patch.
+    #[test]
+    fn a_trimmed_node_reads_as_the_whole_node() {
+        let mut m = Machine::new(
+            "m1",
+            MachineSpec {
+                cluster_name: "c1".into(),
+                ..Default::default()
+            },
+        );
+        m.metadata.namespace = Some("ns".into());
+        m.metadata.labels = Some(
+            [
+                ("node-role.kubernetes.io/worker".to_string(), String::new()),
+                ("team".to_string(), "a".to_string()),
+            ]
+            .into(),
+        );
+        let node = |annotations: serde_json::Value, labels: serde_json::Value, ready: &str| {
+            serde_json::from_value::<Node>(serde_json::json!({
+                "metadata": {"name": "n1", "annotations": annotations, "labels": labels},
+                "spec": {"providerID": "metalboot://ns/h/u", "taints": [
+                    {"key": UNINITIALIZED_TAINT, "effect": "NoSchedule"}]},
+                "status": {"conditions": [
+                    {"type": "MemoryPressure", "status": "False"},
+                    {"type": "Ready", "status": ready}],
+                    "nodeInfo": {"architecture": "amd64", "bootID": "b",
+                    "containerRuntimeVersion": "c", "kernelVersion": "k", "kubeProxyVersion": "",
+                    "kubeletVersion": "v1.36.3", "machineID": "m", "operatingSystem": "linux",
+                    "osImage": "Debian", "systemUUID": "s"},
+                    "images": [{"names": ["pause"], "sizeBytes": 1}]}
+            }))
+            .expect("a Node")
+        };
+        let synced = serde_json::json!({"cluster.x-k8s.io/cluster-name": "c1",
+            "cluster.x-k8s.io/cluster-namespace": "ns", "cluster.x-k8s.io/machine": "m1",
+            "cluster.x-k8s.io/owner-kind": "Machine", "cluster.x-k8s.io/owner-name": "m1",
+            "kubeadm.alpha.kubernetes.io/cri-socket": "unix:///run/containerd.sock"});
+        let nodes = [
+            node(
+                serde_json::json!({"other": "x"}),
+                serde_json::json!({"a": "b"}),
+                "False",
+            ),
+            node(
+                synced,
+                serde_json::json!({"node-role.kubernetes.io/worker": "", "kubernetes.io/os": "linux"}),
+                "True",
+            ),
+        ];
+        for whole in nodes {
+            let mut trimmed = whole.clone();
+            super::super::workloads::keep_what_machines_read(&mut trimmed);
+            assert_eq!(node_view(&trimmed, &m), node_view(&whole, &m));
+        }
     }
 }

@@ -65,13 +65,25 @@ impl Drop for Workload {
     }
 }
 
-/// What a Machine's pass reads of its Node: metadata (the annotations, labels and name it
-/// syncs), spec (providerID, taints), and of the status only the conditions and nodeInfo. A
-/// real Node's status is mostly its image list (tens of entries with digests), volumes and
-/// resource lists: kilobytes per Node, times every Node of every workload cluster.
+/// What a Machine's pass reads of its Node (`observe::node_view`, `observe::node_sync_patch`):
+/// metadata (name, and of the annotations and labels only those it syncs), spec (providerID,
+/// taints), and of the status the Ready condition and nodeInfo. A real Node's status is mostly
+/// its image list (tens of entries with digests), volumes and resource lists, and its metadata
+/// a dozen labels and annotations of the kubelet's and the CNI's: kilobytes per Node, times
+/// every Node of every workload cluster.
 pub fn keep_what_machines_read(node: &mut Node) {
+    use super::observe::{SYNCED_ANNOTATION_PREFIX, synced_label};
+    let meta = &mut node.metadata;
+    if let Some(annotations) = meta.annotations.as_mut() {
+        annotations.retain(|k, _| k.starts_with(SYNCED_ANNOTATION_PREFIX));
+    }
+    if let Some(labels) = meta.labels.as_mut() {
+        labels.retain(|k, _| synced_label(k));
+    }
     node.status = node.status.take().map(|status| NodeStatus {
-        conditions: status.conditions,
+        conditions: status
+            .conditions
+            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect()),
         node_info: status.node_info,
         ..Default::default()
     });
@@ -293,11 +305,15 @@ mod tests {
     #[test]
     fn a_stored_node_keeps_what_a_machine_reads_and_drops_its_image_list() {
         let node: Node = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "n1", "annotations": {"a": "b"}, "labels": {"l": "v"}},
+            "metadata": {"name": "n1",
+                "annotations": {"cluster.x-k8s.io/machine": "m1",
+                    "flannel.alpha.coreos.com/public-ip": "10.0.0.1"},
+                "labels": {"node-role.kubernetes.io/worker": "", "kubernetes.io/arch": "amd64"}},
             "spec": {"providerID": "metalboot://ns/h/u",
                      "taints": [{"key": "node.cluster.x-k8s.io/uninitialized", "effect": "NoSchedule"}]},
             "status": {
-                "conditions": [{"type": "Ready", "status": "True"}],
+                "conditions": [{"type": "MemoryPressure", "status": "False"},
+                    {"type": "Ready", "status": "True"}],
                 "nodeInfo": {"architecture": "amd64", "bootID": "b", "containerRuntimeVersion": "c",
                     "kernelVersion": "k", "kubeProxyVersion": "", "kubeletVersion": "v1.36.3",
                     "machineID": "m", "operatingSystem": "linux", "osImage": "Debian", "systemUUID": "s"},
@@ -310,14 +326,33 @@ mod tests {
         .expect("node");
         let mut kept = node.clone();
         keep_what_machines_read(&mut kept);
-        assert_eq!(kept.metadata, node.metadata);
         assert_eq!(kept.spec, node.spec);
         let (status, was) = (
             kept.status.clone().unwrap_or_default(),
             node.status.clone().unwrap_or_default(),
         );
-        assert_eq!(status.conditions, was.conditions);
         assert_eq!(status.node_info, was.node_info);
+        let types = |cs: Option<Vec<k8s_openapi::api::core::v1::NodeCondition>>| {
+            cs.unwrap_or_default()
+                .into_iter()
+                .map(|c| c.type_)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(types(status.conditions), ["Ready"]);
+        assert_eq!(types(was.conditions).len(), 2);
+        let keys = |m: Option<&std::collections::BTreeMap<String, String>>| {
+            m.map(|m| m.keys().cloned().collect::<Vec<_>>())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            keys(kept.metadata.annotations.as_ref()),
+            ["cluster.x-k8s.io/machine"]
+        );
+        assert_eq!(
+            keys(kept.metadata.labels.as_ref()),
+            ["node-role.kubernetes.io/worker"]
+        );
+        assert_eq!(kept.metadata.name, node.metadata.name);
         assert!(status.images.is_none() && status.addresses.is_none());
         assert!(status.capacity.is_none() && status.volumes_in_use.is_none());
         assert!(
