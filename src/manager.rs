@@ -571,8 +571,12 @@ async fn start_infrastructure(
         crate::controllers::Subscriptions::new(reflectors),
         callbacks,
     );
-    let (cluster_controller, host_meta) =
-        metalcluster::controller(client.clone(), namespace, reflectors.clusters.subscribe());
+    let cluster_controller = metalcluster::controller(
+        client.clone(),
+        namespace,
+        reflectors.clusters.subscribe(),
+        reflectors.hosts.subscribe_events(metalcluster::host_labels),
+    );
     let control_plane_controller = existingcontrolplane::controller(
         client.clone(),
         namespace,
@@ -586,7 +590,7 @@ async fn start_infrastructure(
     });
     let cluster_ctx = Arc::new(metalcluster::ClusterContext {
         client: client.clone(),
-        hosts: host_meta,
+        hosts: stores.hosts.clone(),
         clusters: stores.clusters.clone(),
         backoff: Backoff::default(),
         watch_filter: watch_filter.clone(),

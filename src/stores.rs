@@ -41,8 +41,13 @@ where
     pub store: Store<K>,
     writer: Writer<K>,
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Arc<K>>>>,
+    listeners: Mutex<Vec<Listener<K>>>,
     index: Option<Index<K>>,
 }
+
+/// A subscriber to the watch events themselves (see [`SharedStore::subscribe_events`]); false
+/// once its receiver is gone.
+type Listener<K> = Box<dyn FnMut(&watcher::Event<K>) -> bool + Send>;
 
 impl<K> SharedStore<K>
 where
@@ -54,6 +59,7 @@ where
             store,
             writer,
             subscribers: Mutex::default(),
+            listeners: Mutex::default(),
             index: None,
         }
     }
@@ -73,6 +79,31 @@ where
             subscribers.push(tx);
         }
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+            .boxed()
+    }
+
+    /// The watch events, deletions and re-lists included, each object seen through `view` (a
+    /// few fields, not a copy of the object): for a subscriber that must also follow what
+    /// leaves the store. Each event is sent once the store has applied it.
+    pub fn subscribe_events<T: Send + 'static>(
+        &self,
+        view: impl Fn(&K) -> T + Send + 'static,
+    ) -> BoxStream<'static, watcher::Event<T>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let listener: Listener<K> = Box::new(move |event| {
+            let viewed = match event {
+                watcher::Event::Apply(o) => watcher::Event::Apply(view(o)),
+                watcher::Event::Delete(o) => watcher::Event::Delete(view(o)),
+                watcher::Event::Init => watcher::Event::Init,
+                watcher::Event::InitApply(o) => watcher::Event::InitApply(view(o)),
+                watcher::Event::InitDone => watcher::Event::InitDone,
+            };
+            tx.send(viewed).is_ok()
+        });
+        if let Ok(mut listeners) = self.listeners.lock() {
+            listeners.push(listener);
+        }
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
             .boxed()
     }
 
@@ -99,6 +130,7 @@ where
         let store = self.store.clone();
         let mut writer = self.writer;
         let mut subscribers = self.subscribers.into_inner().unwrap_or_default();
+        let mut listeners = self.listeners.into_inner().unwrap_or_default();
         let index = self.index;
         let stream = events;
         tokio::spawn(async move {
@@ -111,6 +143,7 @@ where
                             None => writer.apply_watcher_event(&event),
                         }
                         fan_out(&store, &event, &mut subscribers);
+                        listeners.retain_mut(|listen| listen(&event));
                     }
                     Err(e) => {
                         tracing::warn!(kind = %K::kind(&()), error = %e, "watch error; retrying");

@@ -9,10 +9,10 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::Api;
-use kube::core::{DeserializeGuard, PartialObjectMeta};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{Controller, WatchStreamExt, watcher};
+use kube::runtime::{Controller, watcher};
 use kube::{Resource, ResourceExt};
 
 use crate::api::common::FailureDomain;
@@ -29,7 +29,7 @@ pub const MANAGED_BY_LABEL: &str = "cluster.x-k8s.io/managed-by";
 /// The status a MetalCluster should have, from its spec and the hosts in its namespace.
 pub fn desired_status(
     mc: &MetalCluster,
-    hosts: &[Arc<PartialObjectMeta<MetalHost>>],
+    hosts: &[Arc<MetalHost>],
     paused: bool,
     now: &Time,
 ) -> MetalClusterStatus {
@@ -101,9 +101,9 @@ pub fn desired_status(
 
 pub struct ClusterContext {
     pub client: kube::Client,
-    /// The hosts' metadata (labels name the failure domains), from the watch that wakes this
-    /// controller on a label change: a pass it wakes reads what woke it.
-    pub hosts: Store<PartialObjectMeta<MetalHost>>,
+    /// The manager's shared host store (labels name the failure domains). A label change wakes
+    /// this controller once that store has applied it: a pass it wakes reads what woke it.
+    pub hosts: Store<MetalHost>,
     /// The manager's shared Cluster store (the same watch that wakes this controller).
     pub clusters: Store<DeserializeGuard<Cluster>>,
     pub backoff: Backoff,
@@ -158,43 +158,54 @@ fn owned_by_cluster(mc: &MetalCluster, cluster: &str) -> bool {
     })
 }
 
-/// The hosts' watch, passing on a host only when it is new, deleted, or its labels changed. Each
-/// host changes about ten times per provisioning (claims, power, status); each of those read every
-/// host of the namespace again for the failure domains, which at 10,000 hosts kept a core busy.
-/// A host deleted while the watch was down is missing from the re-list that follows: it is passed
-/// on at the list's end as a stand-in naming only its namespace.
-fn host_label_changes(
-    events: impl futures::Stream<
-        Item = Result<watcher::Event<PartialObjectMeta<MetalHost>>, watcher::Error>,
-    > + Send,
-) -> impl futures::Stream<Item = Result<PartialObjectMeta<MetalHost>, watcher::Error>> + Send {
-    use kube::core::PartialObjectMetaExt;
+/// What the failure domains depend on of a host: where it is and its labels (hashed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLabels {
+    namespace: String,
+    name: String,
+    labels: u64,
+}
+
+/// The view of a host [`host_label_changes`] follows (`SharedStore::subscribe_events`).
+pub fn host_labels(host: &MetalHost) -> HostLabels {
     use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    host.metadata.labels.hash(&mut hasher);
+    HostLabels {
+        namespace: host.namespace().unwrap_or_default(),
+        name: host.name_any(),
+        labels: hasher.finish(),
+    }
+}
+
+/// The namespaces whose failure domains a host event may change: a host new, deleted, or with
+/// other labels. Each host changes about ten times per provisioning (claims, power, status);
+/// each of those read every host of the namespace again, which at 10,000 hosts kept a core busy.
+/// A host deleted while the watch was down is missing from the re-list that follows: its
+/// namespace is passed on at the list's end.
+fn host_label_changes(
+    events: impl futures::Stream<Item = watcher::Event<HostLabels>> + Send,
+) -> impl futures::Stream<Item = String> + Send {
     let mut labels_of: HashMap<(String, String), u64> = HashMap::new();
     let mut listed: Option<std::collections::HashSet<(String, String)>> = None;
-    let place =
-        |h: &PartialObjectMeta<MetalHost>| (h.namespace().unwrap_or_default(), h.name_any());
     events.flat_map(move |event| {
         let mut changed = Vec::new();
         match event {
-            Err(e) => changed.push(Err(e)),
-            Ok(watcher::Event::Apply(h) | watcher::Event::InitApply(h)) => {
-                let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                h.metadata.labels.hash(&mut hasher);
-                let labels = hasher.finish();
+            watcher::Event::Apply(h) | watcher::Event::InitApply(h) => {
+                let place = (h.namespace, h.name);
                 if let Some(listed) = &mut listed {
-                    listed.insert(place(&h));
+                    listed.insert(place.clone());
                 }
-                if labels_of.insert(place(&h), labels) != Some(labels) {
-                    changed.push(Ok(h));
+                if labels_of.insert(place.clone(), h.labels) != Some(h.labels) {
+                    changed.push(place.0);
                 }
             }
-            Ok(watcher::Event::Delete(h)) => {
-                labels_of.remove(&place(&h));
-                changed.push(Ok(h));
+            watcher::Event::Delete(h) => {
+                labels_of.remove(&(h.namespace.clone(), h.name));
+                changed.push(h.namespace);
             }
-            Ok(watcher::Event::Init) => listed = Some(Default::default()),
-            Ok(watcher::Event::InitDone) => {
+            watcher::Event::Init => listed = Some(Default::default()),
+            watcher::Event::InitDone => {
                 let listed = listed.take().unwrap_or_default();
                 let mut gone_from: BTreeSet<String> = BTreeSet::new();
                 labels_of.retain(|(namespace, name), _| {
@@ -204,13 +215,7 @@ fn host_label_changes(
                     }
                     kept
                 });
-                changed.extend(gone_from.into_iter().map(|namespace| {
-                    Ok(kube::api::ObjectMeta {
-                        namespace: Some(namespace),
-                        ..Default::default()
-                    }
-                    .into_request_partial::<MetalHost>())
-                }));
+                changed.extend(gone_from);
             }
         }
         futures::stream::iter(changed)
@@ -219,44 +224,31 @@ fn host_label_changes(
 
 /// `clusters` is the manager's shared Cluster stream: a Cluster change (un-pause after
 /// `clusterctl move`, a new owner) re-evaluates its MetalCluster at once, not at the resync.
-/// Returns the controller and the store of host metadata its passes read.
+/// `host_events` are the shared host store's events through [`host_labels`].
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     clusters_changes: crate::stores::Changes<DeserializeGuard<Cluster>>,
-) -> (
-    Controller<MetalCluster>,
-    Store<PartialObjectMeta<MetalHost>>,
-) {
-    let (clusters, hosts): (Api<MetalCluster>, Api<PartialObjectMeta<MetalHost>>) = match namespace
-    {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    host_events: futures::stream::BoxStream<'static, watcher::Event<HostLabels>>,
+) -> Controller<MetalCluster> {
+    let clusters: Api<MetalCluster> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
     let controller = crate::stores::lean_controller(clusters, watcher::Config::default());
     let store = controller.store();
-    // Host labels define the failure domains: a new or deleted host, or a change of a host's
-    // labels, re-evaluates its namespace's clusters. Only the hosts' metadata is watched, into
-    // a store of its own that is written before the change wakes anyone.
     let by_cluster = store.clone();
-    let (host_meta, writer) = kube::runtime::reflector::store();
-    let host_changes = host_label_changes(kube::runtime::reflector(
-        writer,
-        crate::stores::lean(watcher(hosts, watcher::Config::default())).default_backoff(),
-    ));
-    let controller = controller
-        .watches_stream(host_changes, move |host| {
-            let namespace = host.namespace();
-            store
-                .state()
-                .into_iter()
-                .filter(|c| c.namespace() == namespace)
-                .map(|c| ObjectRef::from_obj(c.as_ref()))
-                .collect::<Vec<_>>()
-        })
+    let in_namespace = host_label_changes(host_events).flat_map(move |namespace| {
+        let refs: Vec<ObjectRef<MetalCluster>> = store
+            .state()
+            .into_iter()
+            .filter(|c| c.namespace().as_deref() == Some(namespace.as_str()))
+            .map(|c| ObjectRef::from_obj(c.as_ref()))
+            .collect();
+        futures::stream::iter(refs)
+    });
+    controller
+        .reconcile_on(in_namespace)
         .watches_shared_stream(clusters_changes, move |cluster| {
             let namespace = cluster.meta().namespace.clone();
             let name = cluster.meta().name.clone().unwrap_or_default();
@@ -266,8 +258,7 @@ pub fn controller(
                 .filter(|c| c.namespace() == namespace && owned_by_cluster(c, &name))
                 .map(|c| ObjectRef::from_obj(c.as_ref()))
                 .collect::<Vec<_>>()
-        });
-    (controller, host_meta)
+        })
 }
 
 pub async fn run(controller: Controller<MetalCluster>, ctx: Arc<ClusterContext>) {
@@ -290,44 +281,41 @@ mod tests {
     use crate::api::metalcluster::MetalClusterSpec;
 
     /// Only what can change the failure domains reaches the clusters: a new host, a label
-    /// change, a deletion; not the status and claim changes in between.
+    /// change, a deletion; not the status and claim changes in between. Each host has a
+    /// namespace of its own here, so the namespaces passed on say which events got through.
     #[tokio::test]
     async fn only_new_relabelled_or_deleted_hosts_wake_the_clusters() {
         use watcher::Event;
-        let meta = |name: &str, zone: &str, version: &str| {
-            let h: PartialObjectMeta<MetalHost> = serde_json::from_value(serde_json::json!({
-                "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-                "metadata": {"name": name, "namespace": "ns", "resourceVersion": version,
+        let seen = |name: &str, zone: &str, power: &str| {
+            let mut h: MetalHost = serde_json::from_value(serde_json::json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "MetalHost",
+                "metadata": {"name": name, "namespace": format!("n{name}"),
                              "labels": {"zone": zone}},
+                "spec": {"bmc": {"address": "redfish://x", "credentialsName": "c"},
+                         "bootMACAddress": "52:54:00:00:00:01"},
             }))
-            .expect("metadata");
-            h
+            .expect("a MetalHost");
+            h.metadata.annotations = Some([("power".to_string(), power.to_string())].into());
+            host_labels(&h)
         };
         let events = vec![
-            Ok(Event::Init),
-            Ok(Event::InitApply(meta("a", "z1", "1"))),
-            Ok(Event::InitDone),
-            Ok(Event::Apply(meta("a", "z1", "2"))),
-            Ok(Event::Apply(meta("b", "z1", "3"))),
-            Ok(Event::Apply(meta("a", "z2", "4"))),
-            Ok(Event::Apply(meta("a", "z2", "5"))),
-            Ok(Event::Delete(meta("b", "z1", "6"))),
+            Event::Init,
+            Event::InitApply(seen("a", "z1", "off")),
+            Event::InitDone,
+            Event::Apply(seen("a", "z1", "on")),
+            Event::Apply(seen("b", "z1", "off")),
+            Event::Apply(seen("a", "z2", "on")),
+            Event::Apply(seen("a", "z2", "off")),
+            Event::Delete(seen("b", "z1", "off")),
             // The watch restarts; host `a` was deleted meanwhile, `c` is new.
-            Ok(Event::Init),
-            Ok(Event::InitApply(meta("c", "z3", "7"))),
-            Ok(Event::InitDone),
+            Event::Init,
+            Event::InitApply(seen("c", "z3", "off")),
+            Event::InitDone,
         ];
         let passed: Vec<String> = host_label_changes(futures::stream::iter(events))
-            .map(|h| {
-                h.map(|h| match h.resource_version() {
-                    Some(version) => version,
-                    None => format!("{}: gone", h.namespace().unwrap_or_default()),
-                })
-            })
-            .filter_map(|r| async move { r.ok() })
             .collect()
             .await;
-        assert_eq!(passed, ["1", "3", "4", "6", "7", "ns: gone"]);
+        assert_eq!(passed, ["na", "nb", "na", "nb", "nc", "na"]);
     }
 
     fn cluster(host: &str, port: i32) -> MetalCluster {
@@ -345,18 +333,16 @@ mod tests {
         mc
     }
 
-    fn host(ns: &str, fd: Option<&str>) -> Arc<PartialObjectMeta<MetalHost>> {
-        use kube::core::PartialObjectMetaExt;
-        Arc::new(
-            kube::api::ObjectMeta {
-                name: Some("h".into()),
-                namespace: Some(ns.into()),
-                labels: fd
-                    .map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into()),
-                ..Default::default()
-            }
-            .into_request_partial(),
-        )
+    fn host(ns: &str, fd: Option<&str>) -> Arc<MetalHost> {
+        let mut h: MetalHost = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "h", "namespace": ns},
+            "spec": {"bmc": {"address": "redfish://x", "credentialsName": "c"},
+                         "bootMACAddress": "52:54:00:00:00:01"},
+        }))
+        .expect("a MetalHost");
+        h.metadata.labels =
+            fd.map(|fd| [(DEFAULT_FAILURE_DOMAIN_LABEL.to_string(), fd.to_string())].into());
+        Arc::new(h)
     }
 
     #[test]
