@@ -1,7 +1,7 @@
 //! One client and one Node watch per workload cluster, shared by its Machines. A rotated
 //! kubeconfig replaces the entry and stops the old watch; a deleted Cluster's entry is dropped.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -73,13 +73,19 @@ impl Drop for Workload {
 /// every Node of every workload cluster.
 pub fn keep_what_machines_read(node: &mut Node) {
     use super::observe::{SYNCED_ANNOTATION_PREFIX, synced_label};
+    // Collected anew, not `retain`ed: an emptied B-tree keeps its node (about 540 bytes).
+    fn only(
+        map: Option<BTreeMap<String, String>>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Option<BTreeMap<String, String>> {
+        let kept: BTreeMap<String, String> = map?.into_iter().filter(|(k, _)| keep(k)).collect();
+        (!kept.is_empty()).then_some(kept)
+    }
     let meta = &mut node.metadata;
-    if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| k.starts_with(SYNCED_ANNOTATION_PREFIX));
-    }
-    if let Some(labels) = meta.labels.as_mut() {
-        labels.retain(|k, _| synced_label(k));
-    }
+    meta.annotations = only(meta.annotations.take(), |k| {
+        k.starts_with(SYNCED_ANNOTATION_PREFIX)
+    });
+    meta.labels = only(meta.labels.take(), synced_label);
     node.status = node.status.take().map(|status| NodeStatus {
         conditions: status
             .conditions
@@ -353,6 +359,11 @@ mod tests {
             ["node-role.kubernetes.io/worker"]
         );
         assert_eq!(kept.metadata.name, node.metadata.name);
+        // Nothing synced: no map at all (an emptied one would keep its allocation).
+        let mut bare = node.clone();
+        bare.metadata.labels = Some([("kubernetes.io/os".to_string(), "linux".to_string())].into());
+        keep_what_machines_read(&mut bare);
+        assert_eq!(bare.metadata.labels, None);
         assert!(status.images.is_none() && status.addresses.is_none());
         assert!(status.capacity.is_none() && status.volumes_in_use.is_none());
         assert!(
