@@ -143,8 +143,8 @@ pub struct ContractStatus {
     pub data_secret_name: Option<String>,
     #[serde(default, deserialize_with = "lenient")]
     pub addresses: Vec<MachineAddress>,
-    /// Of the conditions, only the Ready condition's message is kept (what the Machine shows
-    /// while it waits); see [`ContractStatus::ready_message`].
+    /// Of the conditions, only the Ready condition's message is kept: what the Machine shows
+    /// while it waits.
     #[serde(default, rename = "conditions", deserialize_with = "ready_message")]
     pub ready_message: Option<String>,
 }

@@ -251,17 +251,21 @@ mod tests {
     use crate::api::MetalMachine;
     use crate::api::capi::MachineSpec;
 
-    /// A MetalMachine is read from the typed shared store, any other kind from its JSON: both
-    /// roads give the Machine the same view, and the view holds what it decides from.
-    #[test]
-    fn a_metal_machine_reads_the_same_from_the_typed_store_as_from_its_json() {
-        let mut m = Machine::new(
+    fn machine() -> Machine {
+        Machine::new(
             "m1",
             MachineSpec {
                 cluster_name: "c1".into(),
                 ..Default::default()
             },
-        );
+        )
+    }
+
+    /// A MetalMachine is read from the typed shared store, any other kind from its JSON: both
+    /// roads give the Machine the same view, and the view holds what it decides from.
+    #[test]
+    fn a_metal_machine_reads_the_same_from_the_typed_store_as_from_its_json() {
+        let mut m = machine();
         m.metadata.uid = Some("uid-m1".into());
         let r = ContractVersionedObjectReference {
             api_group: "infrastructure.cluster.x-k8s.io".into(),
@@ -330,13 +334,7 @@ mod tests {
     /// the Machine sees the same Node and would sync the same patch.
     #[test]
     fn a_trimmed_node_reads_as_the_whole_node() {
-        let mut m = Machine::new(
-            "m1",
-            MachineSpec {
-                cluster_name: "c1".into(),
-                ..Default::default()
-            },
-        );
+        let mut m = machine();
         m.metadata.namespace = Some("ns".into());
         m.metadata.labels = Some(
             [
