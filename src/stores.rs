@@ -84,7 +84,8 @@ where
 
     /// The watch events, deletions and re-lists included, each object seen through `view` (a
     /// few fields, not a copy of the object): for a subscriber that must also follow what
-    /// leaves the store. Each event is sent once the store has applied it.
+    /// leaves the store. Each event is sent once the store has applied it; a re-list's objects
+    /// (`InitApply`) reach the store only at its `InitDone`, so act on them from there.
     pub fn subscribe_events<T: Send + 'static>(
         &self,
         view: impl Fn(&K) -> T + Send + 'static,

@@ -181,41 +181,54 @@ pub fn host_labels(host: &MetalHost) -> HostLabels {
 /// The namespaces whose failure domains a host event may change: a host new, deleted, or with
 /// other labels. Each host changes about ten times per provisioning (claims, power, status);
 /// each of those read every host of the namespace again, which at 10,000 hosts kept a core busy.
-/// A host deleted while the watch was down is missing from the re-list that follows: its
-/// namespace is passed on at the list's end.
+/// A re-list's objects reach the store only at its end, so what it changed is passed on then,
+/// with the namespaces of hosts deleted while the watch was down (missing from the list).
 fn host_label_changes(
     events: impl futures::Stream<Item = watcher::Event<HostLabels>> + Send,
 ) -> impl futures::Stream<Item = String> + Send {
+    /// A re-list in progress: the hosts it listed, and the namespaces it changed so far.
+    #[derive(Default)]
+    struct Relist {
+        listed: std::collections::HashSet<(String, String)>,
+        changed: BTreeSet<String>,
+    }
     let mut labels_of: HashMap<(String, String), u64> = HashMap::new();
-    let mut listed: Option<std::collections::HashSet<(String, String)>> = None;
+    let mut relist: Option<Relist> = None;
     events.flat_map(move |event| {
         let mut changed = Vec::new();
         match event {
-            watcher::Event::Apply(h) | watcher::Event::InitApply(h) => {
+            watcher::Event::Apply(h) => {
                 let place = (h.namespace, h.name);
-                if let Some(listed) = &mut listed {
-                    listed.insert(place.clone());
-                }
                 if labels_of.insert(place.clone(), h.labels) != Some(h.labels) {
                     changed.push(place.0);
+                }
+            }
+            watcher::Event::InitApply(h) => {
+                let place = (h.namespace, h.name);
+                let relist = relist.get_or_insert_with(Relist::default);
+                relist.listed.insert(place.clone());
+                if labels_of.insert(place.clone(), h.labels) != Some(h.labels) {
+                    relist.changed.insert(place.0);
                 }
             }
             watcher::Event::Delete(h) => {
                 labels_of.remove(&(h.namespace.clone(), h.name));
                 changed.push(h.namespace);
             }
-            watcher::Event::Init => listed = Some(Default::default()),
+            watcher::Event::Init => relist = Some(Relist::default()),
             watcher::Event::InitDone => {
-                let listed = listed.take().unwrap_or_default();
-                let mut gone_from: BTreeSet<String> = BTreeSet::new();
+                let Relist {
+                    listed,
+                    changed: mut namespaces,
+                } = relist.take().unwrap_or_default();
                 labels_of.retain(|(namespace, name), _| {
                     let kept = listed.contains(&(namespace.clone(), name.clone()));
                     if !kept {
-                        gone_from.insert(namespace.clone());
+                        namespaces.insert(namespace.clone());
                     }
                     kept
                 });
-                changed.extend(gone_from);
+                changed.extend(namespaces);
             }
         }
         futures::stream::iter(changed)
@@ -315,7 +328,8 @@ mod tests {
         let passed: Vec<String> = host_label_changes(futures::stream::iter(events))
             .collect()
             .await;
-        assert_eq!(passed, ["na", "nb", "na", "nb", "nc", "na"]);
+        // A list's changes come at its end, when the store holds them.
+        assert_eq!(passed, ["na", "nb", "na", "nb", "na", "nc"]);
     }
 
     fn cluster(host: &str, port: i32) -> MetalCluster {

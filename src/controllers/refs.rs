@@ -122,8 +122,6 @@ pub struct ContractObject {
 pub struct ContractSpec {
     #[serde(rename = "providerID", default, deserialize_with = "lenient")]
     pub provider_id: Option<String>,
-    #[serde(default, deserialize_with = "lenient")]
-    pub failure_domain: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, serde::Deserialize, PartialEq)]
@@ -185,11 +183,21 @@ fn ready_message<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String
         #[serde(default, deserialize_with = "lenient")]
         message: Option<String>,
     }
-    let conditions: Vec<Condition> = lenient(d)?;
-    Ok(conditions
+    /// Each entry on its own: one that is not an object does not hide the others.
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Entry {
+        Condition(Condition),
+        Other(serde::de::IgnoredAny),
+    }
+    let entries: Vec<Entry> = lenient(d)?;
+    Ok(entries
         .into_iter()
-        .find(|c| c.type_ == "Ready")
-        .and_then(|c| c.message))
+        .find_map(|e| match e {
+            Entry::Condition(c) if c.type_ == "Ready" => Some(c.message),
+            _ => None,
+        })
+        .flatten())
 }
 
 impl Resource for ContractObject {
@@ -263,7 +271,6 @@ impl ContractObject {
             metadata,
             spec: ContractSpec {
                 provider_id: mm.spec.provider_id.clone(),
-                failure_domain: mm.spec.failure_domain.clone(),
             },
             status: ContractStatus {
                 initialization: Initialization {
@@ -336,7 +343,6 @@ mod tests {
         assert_eq!(obj.status.data_secret_name.as_deref(), Some("c1"));
         assert_eq!(obj.status.addresses[0].address, "10.0.0.1");
         assert_eq!(obj.spec.provider_id.as_deref(), Some("metalboot://ns/h/u"));
-        assert_eq!(obj.spec.failure_domain.as_deref(), Some("rack-a"));
         assert_eq!(obj.status.ready_message.as_deref(), Some("wait"));
         assert_eq!(
             obj.metadata.owner_references.as_ref().map(Vec::len),
@@ -368,9 +374,10 @@ mod tests {
         assert_eq!(odd.status, ContractStatus::default());
         let not_objects = read(serde_json::json!({"spec": "x", "status": [1, 2]}));
         assert_eq!(not_objects, ContractObject::default());
-        // One bad condition does not hide the Ready condition's message.
+        // Bad conditions do not hide the Ready condition's message.
         let conditions = read(serde_json::json!({"status": {"conditions": [
-            {"type": ["Other"]}, {"type": "Ready", "message": "waiting for the host"}]}}));
+            {"type": ["Other"]}, "junk", null,
+            {"type": "Ready", "message": "waiting for the host"}]}}));
         assert_eq!(
             conditions.status.ready_message.as_deref(),
             Some("waiting for the host")
