@@ -263,7 +263,8 @@ impl ContractObject {
 
     /// The contract view of one of our own MetalMachines, from the typed store (no JSON).
     pub fn of_metal_machine(mm: &MetalMachine) -> Self {
-        let status = mm.status.clone().unwrap_or_default();
+        // Called on every Machine pass: only the fields kept are cloned, not the whole status.
+        let status = mm.status.as_ref();
         let mut metadata = mm.metadata.clone();
         metadata.annotations = None;
         metadata.managed_fields = None;
@@ -274,19 +275,19 @@ impl ContractObject {
             },
             status: ContractStatus {
                 initialization: Initialization {
-                    provisioned: status.initialization.and_then(|i| i.provisioned),
+                    provisioned: status
+                        .and_then(|s| s.initialization.as_ref())
+                        .and_then(|i| i.provisioned),
                     data_secret_created: None,
                 },
-                ready: Some(status.ready),
-                failure_reason: status.failure_reason,
-                failure_message: status.failure_message,
+                ready: Some(status.is_some_and(|s| s.ready)),
+                failure_reason: status.and_then(|s| s.failure_reason.clone()),
+                failure_message: status.and_then(|s| s.failure_message.clone()),
                 data_secret_name: None,
-                addresses: status.addresses,
+                addresses: status.map(|s| s.addresses.clone()).unwrap_or_default(),
                 ready_message: status
-                    .conditions
-                    .into_iter()
-                    .find(|c| c.type_ == "Ready")
-                    .map(|c| c.message),
+                    .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+                    .map(|c| c.message.clone()),
             },
         }
     }
