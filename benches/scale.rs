@@ -8,6 +8,8 @@
 //! - steady: BMC requests per host per minute once everything is Running;
 //! - release: deleting all Machines until every host is Available again;
 //! - manager peak RSS and CPU seconds, apiserver CPU seconds, apiserver requests by verb per phase;
+//! - the manager's memory at the end of each phase: RSS, and what jemalloc holds for live objects
+//!   (allocated) against what it keeps in RAM (resident) and unmapped (retained);
 //! - callback → MetalMachine ready and → Machine Provisioned, p50/p99, seen through watches;
 //! - the same, one at a time with the fleet at rest: a tenth of the Machines (at most 20) are
 //!   deleted, then replaced one by one;
@@ -92,6 +94,43 @@ async fn labelled_counter(boot_url: &str, prefix: &str) -> Vec<(String, f64)> {
             Some((label.to_string(), value.trim().parse().ok()?))
         })
         .collect()
+}
+
+/// The manager's memory at one moment: RSS now and its peak (from /proc), and what jemalloc says
+/// it holds (from /metrics), so live objects can be told from pages the allocator keeps.
+async fn memory(boot_url: &str, pid: u32) -> Memory {
+    let heap = labelled_counter(boot_url, "metalboot_allocator_bytes{kind=\"").await;
+    let mb = |kind: &str| {
+        heap.iter()
+            .find(|(k, _)| k == kind)
+            .map_or(f64::NAN, |(_, bytes)| bytes / 1048576.0)
+    };
+    Memory {
+        rss: status_kib(pid, "VmRSS:") as f64 / 1024.0,
+        peak: status_kib(pid, "VmHWM:") as f64 / 1024.0,
+        allocated: mb("allocated"),
+        resident: mb("resident"),
+        retained: mb("retained"),
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Memory {
+    rss: f64,
+    peak: f64,
+    allocated: f64,
+    resident: f64,
+    retained: f64,
+}
+
+impl std::fmt::Display for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RSS {:.0} MB (peak {:.0}), jemalloc allocated {:.0} MB, resident {:.0} MB, retained {:.0} MB",
+            self.rss, self.peak, self.allocated, self.resident, self.retained
+        )
+    }
 }
 
 /// Reconcile passes per controller between two scrapes of `metalboot_reconciles_total`.
@@ -325,6 +364,8 @@ struct Row {
     resets_after_callback: u64,
     max_in_flight: u32,
     log_problems: usize,
+    /// The manager's memory when every Machine is Running (all stores full).
+    running_memory: Memory,
 }
 
 async fn run(n: u32, steady: Duration) -> Result<Row, String> {
@@ -530,9 +571,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     row.register = created + rest;
     let after = apiserver_requests(&client).await;
     println!(
-        "N={n} register: {:.1}s (objects created in {created:.1}s); apiserver: {}",
+        "N={n} register: {:.1}s (objects created in {created:.1}s); apiserver: {}; {}",
         row.register,
-        delta(&after, &before)
+        delta(&after, &before),
+        memory(&boot_url, manager_pid).await
     );
 
     // Provision.
@@ -597,10 +639,12 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         let _ = profile.await;
     }
     let after = apiserver_requests(&client).await;
+    row.running_memory = memory(&boot_url, manager_pid).await;
     println!(
-        "N={n} provision: {:.1}s (objects created in {created:.1}s); apiserver: {}",
+        "N={n} provision: {:.1}s (objects created in {created:.1}s); apiserver: {}; {}",
         row.provision,
-        delta(&after, &before)
+        delta(&after, &before),
+        row.running_memory
     );
 
     // Latencies: callback (fleet) → MetalMachine ready / Machine Provisioned (watches).
@@ -762,9 +806,10 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
     .await;
     let after = apiserver_requests(&client).await;
     println!(
-        "N={n} release: {:.1}s; apiserver: {}",
+        "N={n} release: {:.1}s; apiserver: {}; {}",
         row.release,
-        delta(&after, &before)
+        delta(&after, &before),
+        memory(&boot_url, manager_pid).await
     );
 
     let cpu1 = cpu();
@@ -839,9 +884,9 @@ fn main() {
         }
     }
     println!(
-        "\n| N | register | all Running | delete → all Available | manager peak RSS | manager CPU | apiserver CPU | BMC req/host/min (steady) | callback→ready p50/p99 (watch) | callback→ready p50/p99 (manager) | callback→Provisioned p50/p99 | one at a time: callback→ready p50/max | one at a time: callback→Provisioned p50/max | resets after callback | max BMC requests in flight per host | WARN/ERROR lines |"
+        "\n| N | register | all Running | delete → all Available | manager peak RSS | jemalloc allocated / resident at all Running | manager CPU | apiserver CPU | BMC req/host/min (steady) | callback→ready p50/p99 (watch) | callback→ready p50/p99 (manager) | callback→Provisioned p50/p99 | one at a time: callback→ready p50/max | one at a time: callback→Provisioned p50/max | resets after callback | max BMC requests in flight per host | WARN/ERROR lines |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("{}", markdown(&r));
     }
@@ -850,12 +895,14 @@ fn main() {
 fn markdown(r: &Row) -> String {
     {
         format!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.0} / {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
             r.n,
             r.register,
             r.provision,
             r.release,
             r.rss_mb,
+            r.running_memory.allocated,
+            r.running_memory.resident,
             r.manager_cpu,
             r.apiserver_cpu,
             r.bmc_per_host_minute,

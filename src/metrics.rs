@@ -34,6 +34,7 @@ pub struct Metrics {
     pub reconcile_seconds: Family<Labels, Histogram>,
     pub store_lag: Family<Labels, Counter>,
     pub callback_stale: Family<Labels, Counter>,
+    pub allocator_bytes: Family<Labels, Gauge>,
 }
 
 fn reconcile_histogram() -> Histogram {
@@ -88,6 +89,7 @@ pub fn metrics() -> &'static Metrics {
             reconcile_seconds: Family::new_with_constructor(reconcile_histogram),
             store_lag: Family::default(),
             callback_stale: Family::default(),
+            allocator_bytes: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -176,6 +178,11 @@ pub fn metrics() -> &'static Metrics {
             "callback_lane_stale",
             "Callback-lane passes that found a store behind this manager's own last write, by the kind of the object that store holds",
             m.callback_stale.clone(),
+        );
+        registry.register(
+            "allocator_bytes",
+            "The manager's heap by jemalloc's own count, read at each scrape: bytes held by live allocations (allocated), in pages holding them (active), in RAM (resident), mapped (mapped), and kept unmapped for reuse (retained)",
+            m.allocator_bytes.clone(),
         );
         Metrics { registry, ..m }
     })
@@ -411,8 +418,36 @@ pub fn set_hosts(counts: &[(&str, i64)]) {
     }
 }
 
+/// Reads jemalloc's counts into `allocator_bytes`. A process whose global allocator is not
+/// jemalloc (a test binary) reads only what went through jemalloc directly.
+#[cfg(feature = "jemalloc")]
+fn read_allocator() {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    // The counts are a snapshot taken when the epoch moves.
+    if epoch::advance().is_err() {
+        return;
+    }
+    let counts = [
+        ("allocated", stats::allocated::read()),
+        ("active", stats::active::read()),
+        ("resident", stats::resident::read()),
+        ("mapped", stats::mapped::read()),
+        ("retained", stats::retained::read()),
+    ];
+    for (kind, bytes) in counts {
+        if let Ok(bytes) = bytes {
+            metrics()
+                .allocator_bytes
+                .get_or_create(&labels(&[("kind", kind)]))
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+    }
+}
+
 /// The text exposition of every metric.
 pub fn render() -> String {
+    #[cfg(feature = "jemalloc")]
+    read_allocator();
     let mut out = String::new();
     if encode(&mut out, &metrics().registry).is_err() {
         out.clear();
@@ -452,5 +487,34 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("52-54-00"), "no MACs in labels");
+    }
+
+    /// The value of one `allocator_bytes` series in a rendered page.
+    #[cfg(feature = "jemalloc")]
+    fn allocator(text: &str, kind: &str) -> i64 {
+        let series = format!("metalboot_allocator_bytes{{kind=\"{kind}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+    }
+
+    #[test]
+    #[cfg(feature = "jemalloc")]
+    fn each_scrape_reads_the_heap_anew() {
+        use std::alloc::{GlobalAlloc, Layout};
+        // The test binary's allocator is the system's, so this block goes to jemalloc directly.
+        let layout = Layout::from_size_align(64 << 20, 4096).unwrap();
+        let block = unsafe { tikv_jemallocator::Jemalloc.alloc_zeroed(layout) };
+        assert!(!block.is_null());
+        let held = render();
+        unsafe { tikv_jemallocator::Jemalloc.dealloc(block, layout) };
+        let freed = render();
+        assert!(allocator(&held, "allocated") >= 64 << 20, "{held}");
+        assert!(allocator(&held, "mapped") >= allocator(&held, "allocated"));
+        assert!(
+            allocator(&held, "allocated") - allocator(&freed, "allocated") >= 64 << 20,
+            "held:\n{held}\nfreed:\n{freed}"
+        );
     }
 }
