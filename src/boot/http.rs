@@ -175,6 +175,9 @@ struct TokenIndexInner {
 
 const TOKEN_REINDEX: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Index entries beyond twice the store's size before deleted Secrets are dropped on a note.
+const TOKEN_INDEX_SLACK: usize = 64;
+
 impl TokenIndex {
     fn find(&self, hash: u64, store: &Store<Secret>) -> Option<BootRecord> {
         let key = self.inner.lock().ok()?.by_hash.get(&hash).cloned()?;
@@ -184,9 +187,16 @@ impl TokenIndex {
         tokens::parse_boot_secret(&secret).ok()
     }
 
-    fn note(&self, secret: &Secret, record: &BootRecord) {
+    /// Indexes a token about to be handed out. Tokens found at once never trigger a re-index, so
+    /// Secrets deleted since (every released machine's) are dropped here once the index holds
+    /// twice what the store does: the index stays within a constant of the live boot Secrets, at
+    /// an amortized constant cost per note.
+    fn note(&self, secret: &Secret, record: &BootRecord, store: &Store<Secret>) {
         if let Ok(mut inner) = self.inner.lock() {
             inner.insert(secret, record);
+            if inner.versions.len() > 2 * store.len() + TOKEN_INDEX_SLACK {
+                inner.retain_live(store);
+            }
         }
     }
 
@@ -201,22 +211,8 @@ impl TokenIndex {
             return;
         }
         inner.refreshed = Some(std::time::Instant::now());
-        let secrets = store.state();
-        let live: std::collections::HashSet<ObjectRef<Secret>> = secrets
-            .iter()
-            .map(|s| ObjectRef::from_obj(s.as_ref()))
-            .collect();
-        let TokenIndexInner {
-            by_hash, versions, ..
-        } = &mut *inner;
-        versions.retain(|key, (_, hash)| {
-            let keep = live.contains(key);
-            if !keep {
-                by_hash.remove(hash);
-            }
-            keep
-        });
-        for secret in secrets {
+        inner.retain_live(store);
+        for secret in store.state() {
             let key = ObjectRef::from_obj(secret.as_ref());
             let version = secret.resource_version().unwrap_or_default();
             if inner.versions.get(&key).is_some_and(|(v, _)| *v == version) {
@@ -232,6 +228,20 @@ impl TokenIndex {
 }
 
 impl TokenIndexInner {
+    /// Forgets the tokens of Secrets the store no longer holds.
+    fn retain_live(&mut self, store: &Store<Secret>) {
+        let Self {
+            by_hash, versions, ..
+        } = self;
+        versions.retain(|key, (_, hash)| {
+            let keep = store.get(key).is_some();
+            if !keep {
+                by_hash.remove(hash);
+            }
+            keep
+        });
+    }
+
     /// Indexes `record`'s token under its Secret, replacing that Secret's previous token.
     fn insert(&mut self, secret: &Secret, record: &BootRecord) {
         let key = ObjectRef::from_obj(secret);
@@ -429,7 +439,8 @@ impl BootState {
         match tokens::parse_boot_secret(&secret) {
             Ok(record) => {
                 // The token is about to be handed out: index it now, not at the next re-index.
-                self.tokens.note(&secret, &record);
+                self.tokens
+                    .note(&secret, &record, &self.stores.boot_secrets);
                 Some(record)
             }
             Err(e) => {
@@ -835,8 +846,72 @@ pub fn redact_path(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        Bytes, EventLimiter, USER_DATA_MEMO_ENTRIES, USER_DATA_MEMO_TTL, UserDataMemo, redact_path,
+        Bytes, EventLimiter, Secret, TOKEN_INDEX_SLACK, TokenIndex, USER_DATA_MEMO_ENTRIES,
+        USER_DATA_MEMO_TTL, UserDataMemo, redact_path, token_hash, tokens,
     };
+
+    /// A boot Secret as the store would hold it after its create.
+    fn boot_secret(machine: &str, version: u32) -> Secret {
+        let mut secret = tokens::new_boot_secret(&tokens::NewAttempt {
+            namespace: "ns",
+            metal_machine: machine,
+            owner: k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                uid: format!("uid-{machine}"),
+                ..Default::default()
+            },
+            cluster_name: None,
+            host: "h1",
+            attempt: 1,
+            provider_id: "metalboot://ns/h1",
+            user_data: b"#cloud-config\n",
+        });
+        secret.metadata.resource_version = Some(version.to_string());
+        secret
+    }
+
+    #[test]
+    fn the_token_index_forgets_released_machines_without_unknown_tokens() {
+        use kube::runtime::watcher::Event;
+        let (store, mut writer) = kube::runtime::reflector::store::<Secret>();
+        let index = TokenIndex::default();
+        let live: Vec<Secret> = (0..10)
+            .map(|i| boot_secret(&format!("kept-{i}"), i))
+            .collect();
+        for secret in &live {
+            writer.apply_watcher_event(&Event::Apply(secret.clone()));
+            let record = tokens::parse_boot_secret(secret).unwrap();
+            index.note(secret, &record, &store);
+        }
+        // A thousand machines provisioned and released, every token found at once: no lookup
+        // ever misses, so no re-index runs.
+        for i in 0..1_000 {
+            let secret = boot_secret(&format!("churn-{i}"), 100 + i);
+            writer.apply_watcher_event(&Event::Apply(secret.clone()));
+            let record = tokens::parse_boot_secret(&secret).unwrap();
+            index.note(&secret, &record, &store);
+            assert!(
+                index
+                    .find(token_hash(record.token.expose()), &store)
+                    .is_some()
+            );
+            writer.apply_watcher_event(&Event::Delete(secret));
+        }
+        let inner = index.inner.lock().unwrap();
+        assert!(
+            inner.versions.len() <= 2 * store.len() + TOKEN_INDEX_SLACK + 1,
+            "{} entries for {} live boot Secrets",
+            inner.versions.len(),
+            store.len()
+        );
+        assert_eq!(inner.by_hash.len(), inner.versions.len());
+        assert!(inner.refreshed.is_none(), "no re-index ran");
+        drop(inner);
+        for secret in &live {
+            let record = tokens::parse_boot_secret(secret).unwrap();
+            let found = index.find(token_hash(record.token.expose()), &store);
+            assert_eq!(found.map(|r| r.metal_machine), Some(record.metal_machine));
+        }
+    }
 
     #[test]
     fn request_events_are_rate_limited_per_machine_and_reason() {
