@@ -104,6 +104,21 @@ pub struct Recorded {
     pub written: Arc<Secret>,
 }
 
+impl Recorded {
+    /// The apiserver's answer, kept as the boot Secrets' store keeps a Secret: the machine's
+    /// pass reads it in place of the store's copy. Answers wait for their passes during a
+    /// callback storm (thousands at once); whole, each would carry the bootstrap data (tens of
+    /// KB for a control plane) and managedFields.
+    pub fn of_write(replaced: String, mut written: Secret) -> Self {
+        tokens::keep_in_store(&mut written);
+        written.metadata.managed_fields = None;
+        Self {
+            replaced,
+            written: Arc::new(written),
+        }
+    }
+}
+
 pub struct BootState {
     pub stores: BootStores,
     pub config: BootConfig,
@@ -846,8 +861,8 @@ pub fn redact_path(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        Bytes, EventLimiter, Secret, TOKEN_INDEX_SLACK, TokenIndex, USER_DATA_MEMO_ENTRIES,
-        USER_DATA_MEMO_TTL, UserDataMemo, redact_path, token_hash, tokens,
+        Bytes, EventLimiter, Recorded, Secret, TOKEN_INDEX_SLACK, TokenIndex,
+        USER_DATA_MEMO_ENTRIES, USER_DATA_MEMO_TTL, UserDataMemo, redact_path, token_hash, tokens,
     };
 
     /// A boot Secret as the store would hold it after its create.
@@ -911,6 +926,27 @@ mod tests {
             let found = index.find(token_hash(record.token.expose()), &store);
             assert_eq!(found.map(|r| r.metal_machine), Some(record.metal_machine));
         }
+    }
+
+    #[test]
+    fn a_recorded_write_keeps_what_the_store_keeps() {
+        let mut answer = boot_secret("m1", 7);
+        answer.metadata.managed_fields = Some(vec![Default::default()]);
+        let record = tokens::parse_boot_secret(&answer).unwrap();
+        let recorded = Recorded::of_write("6".into(), answer.clone());
+        assert_eq!(
+            tokens::user_data(&recorded.written),
+            None,
+            "no bootstrap data"
+        );
+        assert_eq!(recorded.written.metadata.managed_fields, None);
+        let mut stored = answer;
+        tokens::keep_in_store(&mut stored);
+        stored.metadata.managed_fields = None;
+        assert_eq!(*recorded.written, stored, "the store's form");
+        let kept = tokens::parse_boot_secret(&recorded.written).unwrap();
+        assert!(kept.token.matches(record.token.expose()), "the token stays");
+        assert_eq!(recorded.replaced, "6");
     }
 
     #[test]
@@ -1341,12 +1377,7 @@ async fn record_on_attempt(
             )
             .await
         {
-            Ok(written) => {
-                return Ok(Recorded {
-                    replaced: resource_version,
-                    written: Arc::new(written),
-                });
-            }
+            Ok(written) => return Ok(Recorded::of_write(resource_version, written)),
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(kube::Error::Api(e)) if e.code == 404 => return Err(CallbackWrite::Superseded),
             Err(e) => return Err(CallbackWrite::Failed(e.to_string())),
