@@ -179,9 +179,10 @@ pub fn metrics() -> &'static Metrics {
             "Callback-lane passes that found a store behind this manager's own last write, by the kind of the object that store holds",
             m.callback_stale.clone(),
         );
+        #[cfg(feature = "jemalloc")]
         registry.register(
             "allocator_bytes",
-            "The manager's heap by jemalloc's own count, read at each scrape: bytes held by live allocations (allocated), in pages holding them (active), in RAM (resident), mapped (mapped), and kept unmapped for reuse (retained)",
+            "The manager's heap by jemalloc's own count, read at each scrape: bytes held by live allocations (allocated), in pages holding them (active), in RAM (resident), mapped (mapped), and address space kept mapped for reuse without its pages (retained)",
             m.allocator_bytes.clone(),
         );
         Metrics { registry, ..m }
@@ -446,6 +447,11 @@ fn read_allocator() {
 
 /// The text exposition of every metric.
 pub fn render() -> String {
+    // One scrape at a time, so that a page never mixes jemalloc's counts of two snapshots.
+    static RENDERING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = RENDERING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     #[cfg(feature = "jemalloc")]
     read_allocator();
     let mut out = String::new();

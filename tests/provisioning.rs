@@ -916,10 +916,10 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     let notice = |replaced: Option<String>| metalboot::boot::http::CallbackNotice {
         namespace: lab.ns.name.clone(),
         metal_machine: "m1".into(),
-        recorded: Some(metalboot::boot::http::Recorded {
-            replaced: replaced.unwrap_or_default(),
-            written: Arc::new(called_back.clone()),
-        }),
+        recorded: Some(metalboot::boot::http::Recorded::of_write(
+            replaced.unwrap_or_default(),
+            called_back.clone(),
+        )),
     };
     let early = context(Expectations::default());
     early
