@@ -195,6 +195,29 @@ pub fn lean<K: Resource + Send + 'static>(
     })
 }
 
+/// `kube::runtime::reflector`, except that the store keeps only the objects `stored` accepts;
+/// every event still passes on (a controller is woken by all of them). An object that stops
+/// being accepted leaves the store. For a watch whose store is read for a few of its objects,
+/// and whose other objects (one or two per host) would be held for nothing.
+pub fn reflector_storing<K, E>(
+    mut writer: Writer<K>,
+    stored: impl Fn(&K) -> bool + Send + 'static,
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, E>>,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, E>>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + Hash + Clone,
+{
+    use futures::TryStreamExt;
+    events.inspect_ok(move |event| match event {
+        watcher::Event::Apply(obj) if !stored(obj) => {
+            writer.apply_watcher_event(&watcher::Event::Delete(obj.clone()));
+        }
+        watcher::Event::InitApply(obj) if !stored(obj) => {}
+        _ => writer.apply_watcher_event(event),
+    })
+}
+
 /// What is kept of a Secret watched for its metadata alone: name, version and labels, the
 /// annotations named in `annotations`, and the owners when `owners` (an owned-object watch maps
 /// a change to its owner through them). Every boot and bootstrap Secret passes through such a
@@ -447,6 +470,43 @@ mod tests {
         assert!(other.next().await.is_some(), "every subscriber gets them");
         assert!(store.get(&ObjectRef::new("b").within("ns")).is_none());
         assert!(store.get(&ObjectRef::new("c").within("ns")).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_storing_reflector_keeps_only_what_it_accepts_and_passes_every_event_on() {
+        use kube::ResourceExt;
+        use watcher::Event;
+        let kept = |name: &str, keep: bool| ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                labels: keep.then(|| [("keep".to_string(), String::new())].into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (store, writer) = reflector::store::<ConfigMap>();
+        let events = vec![
+            Event::Init,
+            Event::InitApply(kept("a", true)),
+            Event::InitApply(kept("b", false)),
+            Event::InitDone,
+            Event::Apply(kept("c", false)),
+            Event::Apply(kept("d", true)),
+            // a kept object that stops being accepted leaves the store
+            Event::Apply(kept("a", false)),
+        ];
+        let passed: Vec<_> = reflector_storing(
+            writer,
+            |cm: &ConfigMap| cm.labels().contains_key("keep"),
+            futures::stream::iter(events.into_iter().map(Ok::<_, ()>)),
+        )
+        .collect()
+        .await;
+        assert_eq!(passed.len(), 7, "every event passes on");
+        let mut names: Vec<String> = store.state().iter().map(|cm| cm.name_any()).collect();
+        names.sort();
+        assert_eq!(names, ["d"]);
     }
 
     #[test]

@@ -420,6 +420,15 @@ fn error_policy(
         .after_failure("CloudInitConfig", &key(cfg.as_ref()), error)
 }
 
+/// The Secrets this controller's watch follows: a cluster's, but not boot Secrets (they carry
+/// the cluster's label too, one per provisioned host, and no config owns them).
+fn bootstrap_secrets() -> watcher::Config {
+    watcher::Config::default().labels(&format!(
+        "{CLUSTER_NAME_LABEL},!{}",
+        crate::boot::tokens::BOOT_TOKEN_LABEL
+    ))
+}
+
 /// The controller, and the store of the bootstrap Secrets' metadata its watch of them keeps.
 pub fn controller(
     client: kube::Client,
@@ -443,10 +452,7 @@ pub fn controller(
     let (store, writer) = reflector::store();
     let owned = reflector(
         writer,
-        watcher(
-            secrets,
-            watcher::Config::default().labels(CLUSTER_NAME_LABEL),
-        )
+        watcher(secrets, bootstrap_secrets())
         .modify(|s| crate::stores::slim_secret_meta(s, &[], true))
         .default_backoff(),
     )

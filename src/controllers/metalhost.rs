@@ -669,6 +669,24 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
 /// let the garbage collector delete a Secret shared by hosts once the last of them is gone.
 const CLUSTERCTL_MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
 
+/// Whether a Secret's metadata stays in the store `label_secrets_for_move` reads: not a boot
+/// Secret, nor bootstrap data (owned by a bootstrap config), which are never a BMC's credentials
+/// or CA. Those two are one each per provisioned host, and were most of that store (about
+/// 3.5 KB per host); they still wake their hosts.
+fn may_be_bmc_secret(meta: &kube::api::ObjectMeta) -> bool {
+    let boot = meta
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(crate::boot::tokens::BOOT_TOKEN_LABEL));
+    // The group of Cluster API's bootstrap configs: CABPK's KubeadmConfig, our CloudInitConfig.
+    let bootstrap_data = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.api_version.starts_with("bootstrap.cluster.x-k8s.io/"));
+    !boot && !bootstrap_data
+}
+
 async fn label_secrets_for_move(ctx: &HostContext, host: &MetalHost) {
     let namespace = host.namespace().unwrap_or_default();
     let names = std::iter::once(&host.spec.bmc.credentials_name)
@@ -736,10 +754,11 @@ pub fn controller(
     let claimed = stores.host_index.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
     // kept in a store for the move label).
-    let secret_changes = kube::runtime::reflector(
+    let secret_changes = crate::stores::reflector_storing(
         secret_meta,
+        |secret: &PartialObjectMeta<Secret>| may_be_bmc_secret(&secret.metadata),
         watcher(secrets, watcher::Config::default()).modify(|s| {
-            crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], false)
+            crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], true)
         }),
     )
     .default_backoff()
@@ -802,6 +821,65 @@ pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
 #[cfg(test)]
 mod tests {
     /// The agent's view wins where it has one; the BMC's identity fields and NIC names stay.
+    #[test]
+    fn the_move_check_keeps_every_secret_but_boot_and_bootstrap_data() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let meta = |labels: &[&str], owner: Option<&str>| kube::api::ObjectMeta {
+            name: Some("s".into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|l| (l.to_string(), String::new()))
+                    .collect(),
+            ),
+            owner_references: owner.map(|api_version| {
+                vec![OwnerReference {
+                    api_version: api_version.into(),
+                    kind: "K".into(),
+                    name: "o".into(),
+                    uid: "u".into(),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        };
+        let rows = [
+            ("plain credentials", meta(&[], None), true),
+            (
+                "credentials labelled for a cluster",
+                meta(&[crate::api::CLUSTER_NAME_LABEL], None),
+                true,
+            ),
+            (
+                "credentials owned by a host",
+                meta(&[], Some("infrastructure.cluster.x-k8s.io/v1alpha1")),
+                true,
+            ),
+            (
+                "boot Secret",
+                meta(
+                    &[
+                        crate::boot::tokens::BOOT_TOKEN_LABEL,
+                        crate::api::CLUSTER_NAME_LABEL,
+                    ],
+                    None,
+                ),
+                false,
+            ),
+            (
+                "bootstrap data of a CloudInitConfig or KubeadmConfig",
+                meta(
+                    &[crate::api::CLUSTER_NAME_LABEL],
+                    Some("bootstrap.cluster.x-k8s.io/v1beta2"),
+                ),
+                false,
+            ),
+        ];
+        for (what, meta, kept) in rows {
+            assert_eq!(may_be_bmc_secret(&meta), kept, "{what}");
+        }
+    }
+
     #[test]
     fn the_agents_inspection_is_merged_over_the_bmcs() {
         use crate::api::metalhost::{CpuInfo, DiskInfo, NicInfo};
