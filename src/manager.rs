@@ -308,6 +308,12 @@ pub async fn start(
     // One watch per kind, shared by every controller and the boot service.
     let reflectors = (opts.controllers.infrastructure || opts.controllers.core)
         .then(crate::stores::Reflectors::new);
+    // One CloudInitConfig watch and store, for the bootstrap controller and the standalone
+    // Machine controller (which reads its configs' contract fields from it).
+    let cloud_init_configs = opts
+        .controllers
+        .bootstrap
+        .then(crate::stores::SharedStore::<crate::api::CloudInitConfig>::new);
     // The standalone Machine controller subscribes to the shared Cluster stream before it runs.
     let standalone_machines = match &reflectors {
         Some(reflectors) if opts.controllers.core => {
@@ -330,12 +336,16 @@ pub async fn start(
                 namespace: namespace.map(str::to_string),
                 expectations: Default::default(),
                 metal_machines: Some(stores.metal_machines.clone()),
+                cloud_init_configs: cloud_init_configs.as_ref().map(|c| c.store.clone()),
             });
             let controller = machine::controller(
                 reflectors.machines.subscribe(),
                 stores.machines.clone(),
                 reflectors.clusters.subscribe(),
                 reflectors.metal_machines.subscribe(),
+                cloud_init_configs
+                    .as_ref()
+                    .map(crate::stores::SharedStore::subscribe),
                 wake,
             );
             Some((controller, machine_ctx))
@@ -397,8 +407,10 @@ pub async fn start(
             status_ctx,
         )));
     }
-    if opts.controllers.bootstrap {
-        let (controller, secrets) = cloudinitconfig::controller(client.clone(), namespace);
+    if let Some(configs) = cloud_init_configs {
+        let (controller, secrets) =
+            cloudinitconfig::controller(client.clone(), namespace, &configs);
+        cloudinitconfig::watch_configs(configs, client.clone(), namespace);
         let config_ctx = Arc::new(cloudinitconfig::ConfigContext {
             client: client.clone(),
             events: Events::new(client.clone(), "metalboot-cloudinitconfig"),

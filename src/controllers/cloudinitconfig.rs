@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::api::cloudinitconfig::{BootstrapInitialization, CloudInitConfigSpec, FileEncoding};
 use crate::api::{CLUSTER_NAME_LABEL, CloudInitConfig, Cluster, Machine};
+use crate::stores::SharedStore;
 
 use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key, store_reflects};
@@ -429,21 +430,19 @@ fn bootstrap_secrets() -> watcher::Config {
     ))
 }
 
-/// The controller, and the store of the bootstrap Secrets' metadata its watch of them keeps.
+/// The controller over `configs` (a [`SharedStore`] filled by [`watch_configs`]), and the
+/// store of the bootstrap Secrets' metadata its watch of them keeps.
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
+    configs: &SharedStore<CloudInitConfig>,
 ) -> (
     Controller<CloudInitConfig>,
     Store<PartialObjectMeta<Secret>>,
 ) {
-    let (configs, secrets): (Api<CloudInitConfig>, Api<PartialObjectMeta<Secret>>) = match namespace
-    {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let secrets: Api<PartialObjectMeta<Secret>> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
     // A deleted bootstrap Secret is recreated under the same name. Only metadata is watched:
     // the store answers "does it exist", and the Secrets' data (kubeconfigs, keys) stays out of
@@ -453,19 +452,29 @@ pub fn controller(
     let owned = reflector(
         writer,
         watcher(secrets, bootstrap_secrets())
-        .modify(|s| crate::stores::slim_secret_meta(s, &[], true))
-        .default_backoff(),
+            .modify(|s| crate::stores::slim_secret_meta(s, &[], true))
+            .default_backoff(),
     )
     .touched_objects();
     (
-        crate::stores::lean_controller_keeping(
-            configs,
-            watcher::Config::default(),
-            forget_rendered_spec,
-        )
-        .owns_stream(owned),
+        Controller::for_shared_stream(configs.subscribe(), configs.store.clone())
+            .owns_stream(owned),
         store,
     )
+}
+
+/// Fills `configs` from the apiserver; a rendered config is kept without its spec
+/// (`forget_rendered_spec`). Subscribe every reader first.
+pub fn watch_configs(
+    configs: SharedStore<CloudInitConfig>,
+    client: kube::Client,
+    namespace: Option<&str>,
+) -> Store<CloudInitConfig> {
+    let api: Api<CloudInitConfig> = match namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    configs.run_keeping(api, watcher::Config::default(), forget_rendered_spec)
 }
 
 pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext>) {

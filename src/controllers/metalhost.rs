@@ -757,9 +757,8 @@ pub fn controller(
     let secret_changes = crate::stores::reflector_storing(
         secret_meta,
         |secret: &PartialObjectMeta<Secret>| may_be_bmc_secret(&secret.metadata),
-        watcher(secrets, watcher::Config::default()).modify(|s| {
-            crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], true)
-        }),
+        watcher(secrets, watcher::Config::default())
+            .modify(|s| crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], true)),
     )
     .default_backoff()
     .touched_objects();

@@ -13,8 +13,8 @@ use kube::Resource;
 use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, DynamicResourceScope, GroupVersionKind};
 
-use crate::api::MetalMachine;
 use crate::api::common::{ContractVersionedObjectReference, MachineAddress};
+use crate::api::{CloudInitConfig, MetalMachine};
 
 use super::ReconcileError;
 
@@ -285,6 +285,35 @@ impl ContractObject {
                 failure_message: status.and_then(|s| s.failure_message.clone()),
                 data_secret_name: None,
                 addresses: status.map(|s| s.addresses.clone()).unwrap_or_default(),
+                ready_message: status
+                    .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+                    .map(|c| c.message.clone()),
+            },
+        }
+    }
+
+    /// The contract view of one of our own CloudInitConfigs, from the bootstrap controller's
+    /// typed store (no watch of its own, no JSON).
+    pub fn of_cloud_init_config(cfg: &CloudInitConfig) -> Self {
+        let status = cfg.status.as_ref();
+        let mut metadata = cfg.metadata.clone();
+        metadata.annotations = None;
+        metadata.managed_fields = None;
+        ContractObject {
+            metadata,
+            spec: ContractSpec::default(),
+            status: ContractStatus {
+                initialization: Initialization {
+                    provisioned: None,
+                    data_secret_created: status
+                        .and_then(|s| s.initialization.as_ref())
+                        .and_then(|i| i.data_secret_created),
+                },
+                ready: status.map(|s| s.ready),
+                failure_reason: status.and_then(|s| s.failure_reason.clone()),
+                failure_message: status.and_then(|s| s.failure_message.clone()),
+                data_secret_name: status.and_then(|s| s.data_secret_name.clone()),
+                addresses: Vec::new(),
                 ready_message: status
                     .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
                     .map(|c| c.message.clone()),

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::api::capi::MachineStatus;
-use crate::api::{Cluster, Machine, MetalMachine};
+use crate::api::{CloudInitConfig, Cluster, Machine, MetalMachine};
 use crate::controllers::refs::ContractObject;
 
 use super::{Backoff, Events, ReconcileError, apply_status, key, passes_watch_filter};
@@ -89,10 +89,6 @@ impl Triggers {
 
     /// Starts watching a referenced kind once (kinds the controller owns are watched already).
     pub fn watch_kind(&self, client: &kube::Client, ar: &ApiResource, namespace: Option<&str>) {
-        // MetalMachines come from the manager's shared stream (see `controller`).
-        if ar.group == MetalMachine::group(&()) && ar.kind == MetalMachine::kind(&()) {
-            return;
-        }
         let Ok(mut kinds) = self.kinds.lock() else {
             return;
         };
@@ -242,6 +238,9 @@ pub struct MachineContext {
     /// of a GET per pass. The controller is woken by that same shared stream (see
     /// `controller`), so a pass never sees an older MetalMachine than the change that woke it.
     pub metal_machines: Option<kube::runtime::reflector::Store<MetalMachine>>,
+    /// The bootstrap controller's CloudInitConfig store, when it runs in this manager: read
+    /// the same way (one copy of each config, and no watch of its own).
+    pub cloud_init_configs: Option<kube::runtime::reflector::Store<CloudInitConfig>>,
 }
 
 impl MachineContext {
@@ -254,16 +253,43 @@ impl MachineContext {
         namespace: &str,
     ) -> Option<ContractObject> {
         use kube::runtime::reflector::ObjectRef;
-        if r.api_group == MetalMachine::group(&()) && r.kind == MetalMachine::kind(&()) {
-            self.metal_machines
-                .as_ref()?
+        match self.shared_store_of(&r.api_group, &r.kind) {
+            Some(Shared::MetalMachines(store)) => store
                 .get(&ObjectRef::new(&r.name).within(namespace))
-                .map(|mm| ContractObject::of_metal_machine(&mm))
-        } else {
-            self.triggers
-                .cached(&r.api_group, &r.kind, namespace, &r.name)
+                .map(|mm| ContractObject::of_metal_machine(&mm)),
+            Some(Shared::CloudInitConfigs(store)) => store
+                .get(&ObjectRef::new(&r.name).within(namespace))
+                .map(|cfg| ContractObject::of_cloud_init_config(&cfg)),
+            None => self
+                .triggers
+                .cached(&r.api_group, &r.kind, namespace, &r.name),
         }
     }
+
+    /// Whether a referenced kind comes from one of the manager's shared stores (whose streams
+    /// wake Machines, see `controller`) rather than from a watch `Triggers` starts for it.
+    pub fn has_shared_store(&self, group: &str, kind: &str) -> bool {
+        self.shared_store_of(group, kind).is_some()
+    }
+
+    fn shared_store_of(&self, group: &str, kind: &str) -> Option<Shared<'_>> {
+        if group == MetalMachine::group(&()) && kind == MetalMachine::kind(&()) {
+            return self.metal_machines.as_ref().map(Shared::MetalMachines);
+        }
+        if group == CloudInitConfig::group(&()) && kind == CloudInitConfig::kind(&()) {
+            return self
+                .cloud_init_configs
+                .as_ref()
+                .map(Shared::CloudInitConfigs);
+        }
+        None
+    }
+}
+
+/// A shared typed store that serves one referenced kind.
+enum Shared<'a> {
+    MetalMachines(&'a Store<MetalMachine>),
+    CloudInitConfigs(&'a Store<CloudInitConfig>),
 }
 
 fn machine_key(m: &Machine) -> String {
@@ -345,6 +371,9 @@ async fn reconcile(
     if let Some(metal_machines) = &ctx.metal_machines {
         crate::stores::until_ready(metal_machines).await;
     }
+    if let Some(configs) = &ctx.cloud_init_configs {
+        crate::stores::until_ready(configs).await;
+    }
     super::instrumented(CONTROLLER, object, pass(m, &ctx)).await
 }
 
@@ -399,6 +428,18 @@ fn error_policy(
         .after_failure("Machine", &key(m.as_ref()), error)
 }
 
+/// The Machines a referenced object names as its owners.
+fn owning_machines(obj: &impl Resource) -> Vec<ObjectRef<DeserializeGuard<Machine>>> {
+    let namespace = obj.meta().namespace.clone().unwrap_or_default();
+    obj.meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .filter(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| ObjectRef::new(&o.name).within(&namespace))
+        .collect()
+}
+
 /// Watches Machines (the manager's shared stream and store: one copy of each Machine for every
 /// controller), the kinds they own that metalboot serves, their Clusters (shared stream) and
 /// whatever `Triggers` reports.
@@ -407,20 +448,20 @@ pub fn controller(
     store: Store<DeserializeGuard<Machine>>,
     clusters: crate::stores::Changes<DeserializeGuard<Cluster>>,
     metal_machines: crate::stores::Changes<MetalMachine>,
+    cloud_init_configs: Option<crate::stores::Changes<CloudInitConfig>>,
     triggers: impl futures::Stream<Item = ObjectRef<Machine>> + Send + 'static,
 ) -> Controller<DeserializeGuard<Machine>> {
     let by_cluster = store.clone();
-    Controller::for_shared_stream(machines, store)
+    let controller = Controller::for_shared_stream(machines, store);
+    // Like MetalMachines: the shared stream wakes the Machine once the store shows the change.
+    let controller = match cloud_init_configs {
+        Some(configs) => controller.watches_shared_stream(configs, |cfg| owning_machines(&*cfg)),
+        None => controller,
+    };
+    controller
         // The shared stream, not a watch of its own: the store `observe` reads is updated
         // before this wakes the Machine.
-        .watches_shared_stream(metal_machines, |mm| {
-            let namespace = mm.namespace().unwrap_or_default();
-            mm.owner_references()
-                .iter()
-                .filter(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-                .map(|o| ObjectRef::new(&o.name).within(&namespace))
-                .collect::<Vec<_>>()
-        })
+        .watches_shared_stream(metal_machines, |mm| owning_machines(&*mm))
         .watches_shared_stream(clusters, move |cluster| {
             let namespace = cluster.meta().namespace.clone();
             let name = cluster.meta().name.clone().unwrap_or_default();

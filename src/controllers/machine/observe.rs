@@ -67,8 +67,10 @@ pub async fn referenced(
     };
     let namespace = m.namespace().unwrap_or_default();
     let resource = refs::resource_for(&ctx.client, r).await?;
-    ctx.triggers
-        .watch_kind(&ctx.client, &resource, ctx.namespace.as_deref());
+    if !ctx.has_shared_store(&r.api_group, &r.kind) {
+        ctx.triggers
+            .watch_kind(&ctx.client, &resource, ctx.namespace.as_deref());
+    }
     // A cached copy older than our own last write to it (adoption) is not used.
     let key = crate::controllers::expectations::object_key(&r.kind, &namespace, &r.name);
     let cached = ctx.cached_reference(r, &namespace).filter(|obj| {
@@ -328,6 +330,78 @@ mod tests {
         assert_eq!(views[1].failure, Some(("R".into(), "M".into())));
         assert_eq!(views[1].addresses.len(), 1);
         assert_eq!(views[0].provider_id.as_deref(), Some("metalboot://ns/h1/u"));
+    }
+
+    /// A CloudInitConfig is read from the bootstrap controller's typed store (spec dropped once
+    /// rendered) when that controller runs here: the Machine's view is the same as from the
+    /// config's JSON, with or without a status.
+    #[test]
+    fn a_cloud_init_config_reads_the_same_from_the_typed_store_as_from_its_json() {
+        let mut m = machine();
+        m.metadata.uid = Some("uid-m1".into());
+        let r = ContractVersionedObjectReference {
+            api_group: "bootstrap.cluster.x-k8s.io".into(),
+            kind: "CloudInitConfig".into(),
+            name: "m1".into(),
+        };
+        let config = |status: Option<serde_json::Value>| -> crate::api::CloudInitConfig {
+            let mut json = serde_json::json!({
+                "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1",
+                "kind": "CloudInitConfig",
+                "metadata": {"name": "m1", "namespace": "ns", "resourceVersion": "9",
+                    "labels": {CLUSTER_NAME_LABEL: "c1"},
+                    "annotations": {"note": "x"},
+                    "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2",
+                        "kind": "Machine", "name": "m1", "uid": "uid-m1", "controller": true}]},
+                "spec": {},
+            });
+            if let Some(status) = status {
+                json["status"] = status;
+            }
+            serde_json::from_value(json).expect("a CloudInitConfig")
+        };
+        let statuses = [
+            Some(serde_json::json!({
+                "ready": true, "dataSecretName": "m1",
+                "initialization": {"dataSecretCreated": true}, "observedGeneration": 1,
+                "conditions": [{"type": "Ready", "status": "True", "reason": "DataSecretAvailable",
+                    "message": "", "lastTransitionTime": "2026-11-28T10:00:00Z"}],
+            })),
+            Some(serde_json::json!({
+                "ready": false, "failureReason": "InvalidSpec", "failureMessage": "files[0]",
+                "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
+                    "message": "files[0].path is empty",
+                    "lastTransitionTime": "2026-11-28T10:00:00Z"}],
+            })),
+            None,
+        ];
+        let mut views = Vec::new();
+        for status in &statuses {
+            let typed = config(status.clone());
+            let from_store = ContractObject::of_cloud_init_config(&typed);
+            let mut from_json: ContractObject =
+                serde_json::from_value(serde_json::to_value(&typed).expect("json"))
+                    .expect("a contract object");
+            refs::keep_contract_fields(&mut from_json);
+            assert_eq!(from_store, from_json, "{status:?}");
+            views.push(view(
+                &from_store,
+                &m,
+                &r,
+                InitializationFlag::DataSecretCreated,
+            ));
+        }
+        assert!(views.iter().all(|v| v.adopted));
+        assert!(views[0].ready && !views[1].ready && !views[2].ready);
+        assert_eq!(views[0].data_secret_name.as_deref(), Some("m1"));
+        assert_eq!(
+            views[1].failure,
+            Some(("InvalidSpec".into(), "files[0]".into()))
+        );
+        assert_eq!(
+            views[1].waiting_message.as_deref(),
+            Some("files[0].path is empty")
+        );
     }
 
     /// The Node store keeps only what a Machine compares: whatever the Node carries besides,
