@@ -319,6 +319,10 @@ pub async fn start(
         Some(reflectors) if opts.controllers.core => {
             let stores = reflectors.stores();
             let (triggers, wake) = machine::Triggers::new();
+            triggers.follow_deletions(&reflectors.metal_machines);
+            if let Some(configs) = &cloud_init_configs {
+                triggers.follow_deletions(configs);
+            }
             let listener = triggers.clone();
             let machine_ctx = Arc::new(machine::MachineContext {
                 client: client.clone(),

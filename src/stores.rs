@@ -220,7 +220,7 @@ where
 
 /// What is kept of a Secret watched for its metadata alone: name, version and labels, the
 /// annotations named in `annotations`, and the owners when `owners` (an owned-object watch maps
-/// a change to its owner through them). Every boot and bootstrap Secret passes through such a
+/// a change to its owner through them, a `reflector_storing` filter may decide by them). Every boot and bootstrap Secret passes through such a
 /// watch; their other annotations and fields were 2.5 KB per Secret at N=1,000 (heaptrack).
 pub fn slim_secret_meta(
     secret: &mut kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Secret>,

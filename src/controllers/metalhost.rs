@@ -672,7 +672,7 @@ const CLUSTERCTL_MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
 /// Whether a Secret's metadata stays in the store `label_secrets_for_move` reads: not a boot
 /// Secret, nor bootstrap data (owned by a bootstrap config), which are never a BMC's credentials
 /// or CA. Those two are one each per provisioned host, and were most of that store (about
-/// 3.5 KB per host); they still wake their hosts.
+/// 3.5 KB per host); their events still pass on (a boot Secret wakes its host).
 fn may_be_bmc_secret(meta: &kube::api::ObjectMeta) -> bool {
     let boot = meta
         .labels
@@ -757,6 +757,8 @@ pub fn controller(
     let secret_changes = crate::stores::reflector_storing(
         secret_meta,
         |secret: &PartialObjectMeta<Secret>| may_be_bmc_secret(&secret.metadata),
+        // Owners are kept for `may_be_bmc_secret`; the Secrets it keeps are few (a BMC's, a
+        // cluster's kubeconfig and CA), not one per host.
         watcher(secrets, watcher::Config::default())
             .modify(|s| crate::stores::slim_secret_meta(s, &[crate::boot::tokens::ANN_HOST], true)),
     )
@@ -819,7 +821,6 @@ pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
 
 #[cfg(test)]
 mod tests {
-    /// The agent's view wins where it has one; the BMC's identity fields and NIC names stay.
     #[test]
     fn the_move_check_keeps_every_secret_but_boot_and_bootstrap_data() {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -879,6 +880,7 @@ mod tests {
         }
     }
 
+    /// The agent's view wins where it has one; the BMC's identity fields and NIC names stay.
     #[test]
     fn the_agents_inspection_is_merged_over_the_bmcs() {
         use crate::api::metalhost::{CpuInfo, DiskInfo, NicInfo};

@@ -11,7 +11,10 @@
 //! - `workloads.rs`: one client and Node watch per workload cluster.
 //!
 //! Nothing polls: the Machine wakes on its own changes, its Cluster's (shared stream), its
-//! referenced objects' (a watch per kind, started the first time a kind is met) and its Node's.
+//! referenced objects' and its Node's. A referenced MetalMachine or CloudInitConfig comes from
+//! the manager's shared store of its kind (changes through its stream, deletions through
+//! `Triggers::follow_deletions`); any other kind from a watch `Triggers` starts the first time
+//! the kind is met.
 
 pub mod act;
 pub mod decide;
@@ -107,12 +110,8 @@ impl Triggers {
         let reader = store.clone();
         let task = tokio::spawn(async move {
             let wake = |obj: &ContractObject| {
-                let namespace = obj.namespace().unwrap_or_default();
-                for owner in obj.owner_references() {
-                    if owner.kind == "Machine" && owner.api_version.starts_with("cluster.x-k8s.io/")
-                    {
-                        let _ = tx.send(ObjectRef::new(&owner.name).within(&namespace));
-                    }
+                for owner in owning_machines(obj) {
+                    let _ = tx.send(owner);
                 }
             };
             // A Machine is woken only once the store shows what woke it: the reflector applies
@@ -145,6 +144,35 @@ impl Triggers {
                 resource: ar.clone(),
             },
         );
+    }
+
+    /// Wakes the Machines owning each object `shared` deletes. A shared store's change stream
+    /// sends no deletions, and a Machine waits for its infrastructure and bootstrap config to
+    /// go when it is deleted (or reports one missing): without this, only its requeue (2 s)
+    /// or the resync would tell it. Subscribe before the store runs.
+    pub fn follow_deletions<K>(&self, shared: &crate::stores::SharedStore<K>)
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + Sync
+            + 'static,
+    {
+        let tx = self.tx.clone();
+        let mut events = shared.subscribe_events(|obj: &K| owning_machines::<Machine>(obj));
+        tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                if let watcher::Event::Delete(owners) = event {
+                    for owner in owners {
+                        if tx.send(owner).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
     }
 
     /// A referenced object from the watch of its kind, if that watch has listed and holds it,
@@ -371,9 +399,6 @@ async fn reconcile(
     if let Some(metal_machines) = &ctx.metal_machines {
         crate::stores::until_ready(metal_machines).await;
     }
-    if let Some(configs) = &ctx.cloud_init_configs {
-        crate::stores::until_ready(configs).await;
-    }
     super::instrumented(CONTROLLER, object, pass(m, &ctx)).await
 }
 
@@ -428,8 +453,9 @@ fn error_policy(
         .after_failure("Machine", &key(m.as_ref()), error)
 }
 
-/// The Machines a referenced object names as its owners.
-fn owning_machines(obj: &impl Resource) -> Vec<ObjectRef<DeserializeGuard<Machine>>> {
+/// The Machines a referenced object names as its owners (as `M`: a Machine, or the guarded
+/// Machine the controller runs on).
+fn owning_machines<M: Resource<DynamicType = ()>>(obj: &impl Resource) -> Vec<ObjectRef<M>> {
     let namespace = obj.meta().namespace.clone().unwrap_or_default();
     obj.meta()
         .owner_references
@@ -497,5 +523,51 @@ mod task_size {
     fn a_machine_pass_task_holds_its_pass_boxed() {
         let size = crate::controllers::future_size(super::reconcile as fn(_, _) -> _);
         assert!(size <= 2048, "the Machine reconcile future is {size} bytes");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::CloudInitConfig;
+    use crate::stores::SharedStore;
+
+    /// A shared store's change stream sends no deletions: the owning Machine still wakes when
+    /// its CloudInitConfig (or MetalMachine) is deleted, and only then.
+    #[tokio::test]
+    async fn a_deleted_config_wakes_the_machine_that_owns_it() {
+        let (triggers, wake) = Triggers::new();
+        let shared = SharedStore::<CloudInitConfig>::new();
+        triggers.follow_deletions(&shared);
+        let config = |name: &str, machine: &str| -> CloudInitConfig {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1",
+                "kind": "CloudInitConfig",
+                "metadata": {"name": name, "namespace": "ns", "resourceVersion": "3",
+                    "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2",
+                        "kind": "Machine", "name": machine, "uid": "u", "controller": true}]},
+                "spec": {},
+            }))
+            .expect("a CloudInitConfig")
+        };
+        // m1's config is listed and changed, never deleted; m2's is deleted.
+        let events: Vec<Result<watcher::Event<CloudInitConfig>, watcher::Error>> = vec![
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitApply(config("c1", "m1"))),
+            Ok(watcher::Event::InitDone),
+            Ok(watcher::Event::Apply(config("c1", "m1"))),
+            Ok(watcher::Event::Apply(config("c2", "m2"))),
+            Ok(watcher::Event::Delete(config("c2", "m2"))),
+        ];
+        shared.run_on(futures::stream::iter(events));
+        futures::pin_mut!(wake);
+        let woken = tokio::time::timeout(Duration::from_secs(10), wake.next())
+            .await
+            .expect("a wake-up within 10 s");
+        assert_eq!(
+            woken,
+            Some(ObjectRef::new("m2").within("ns")),
+            "the first wake-up is the deletion's (changes come through the change stream)"
+        );
     }
 }

@@ -402,6 +402,30 @@ mod tests {
             views[1].waiting_message.as_deref(),
             Some("files[0].path is empty")
         );
+        // As another writer may leave it (v1beta2 only, no `ready`): the typed road reads
+        // `ready: false`, the JSON road nothing, and the Machine sees the same either way.
+        let raw = serde_json::json!({
+            "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha1",
+            "kind": "CloudInitConfig",
+            "metadata": {"name": "m1", "namespace": "ns", "resourceVersion": "9",
+                "labels": {CLUSTER_NAME_LABEL: "c1"},
+                "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2",
+                    "kind": "Machine", "name": "m1", "uid": "uid-m1", "controller": true}]},
+            "spec": {},
+            "status": {"initialization": {"dataSecretCreated": true}, "dataSecretName": "m1"},
+        });
+        let typed: crate::api::CloudInitConfig =
+            serde_json::from_value(raw.clone()).expect("a CloudInitConfig");
+        let from_store = ContractObject::of_cloud_init_config(&typed);
+        let mut from_json: ContractObject = serde_json::from_value(raw).expect("a contract object");
+        refs::keep_contract_fields(&mut from_json);
+        let flag = InitializationFlag::DataSecretCreated;
+        let (by_store, by_json) = (
+            view(&from_store, &m, &r, flag),
+            view(&from_json, &m, &r, flag),
+        );
+        assert!(by_store.ready);
+        assert_eq!(by_store, by_json);
     }
 
     /// The Node store keeps only what a Machine compares: whatever the Node carries besides,
