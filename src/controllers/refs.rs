@@ -265,11 +265,8 @@ impl ContractObject {
     pub fn of_metal_machine(mm: &MetalMachine) -> Self {
         // Called on every Machine pass: only the fields kept are cloned, not the whole status.
         let status = mm.status.as_ref();
-        let mut metadata = mm.metadata.clone();
-        metadata.annotations = None;
-        metadata.managed_fields = None;
         ContractObject {
-            metadata,
+            metadata: contract_metadata(&mm.metadata),
             spec: ContractSpec {
                 provider_id: mm.spec.provider_id.clone(),
             },
@@ -285,9 +282,7 @@ impl ContractObject {
                 failure_message: status.and_then(|s| s.failure_message.clone()),
                 data_secret_name: None,
                 addresses: status.map(|s| s.addresses.clone()).unwrap_or_default(),
-                ready_message: status
-                    .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
-                    .map(|c| c.message.clone()),
+                ready_message: status.and_then(|s| ready_message_of(&s.conditions)),
             },
         }
     }
@@ -296,11 +291,8 @@ impl ContractObject {
     /// typed store (no watch of its own, no JSON).
     pub fn of_cloud_init_config(cfg: &CloudInitConfig) -> Self {
         let status = cfg.status.as_ref();
-        let mut metadata = cfg.metadata.clone();
-        metadata.annotations = None;
-        metadata.managed_fields = None;
         ContractObject {
-            metadata,
+            metadata: contract_metadata(&cfg.metadata),
             spec: ContractSpec::default(),
             status: ContractStatus {
                 initialization: Initialization {
@@ -314,12 +306,27 @@ impl ContractObject {
                 failure_message: status.and_then(|s| s.failure_message.clone()),
                 data_secret_name: status.and_then(|s| s.data_secret_name.clone()),
                 addresses: Vec::new(),
-                ready_message: status
-                    .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
-                    .map(|c| c.message.clone()),
+                ready_message: status.and_then(|s| ready_message_of(&s.conditions)),
             },
         }
     }
+}
+
+/// The metadata of one of our own objects as a `ContractObject` keeps it (see
+/// [`keep_contract_fields`]).
+fn contract_metadata(meta: &ObjectMeta) -> ObjectMeta {
+    let mut metadata = meta.clone();
+    metadata.annotations = None;
+    metadata.managed_fields = None;
+    metadata
+}
+
+/// The Ready condition's message, as [`ContractStatus::ready_message`] keeps it.
+fn ready_message_of(conditions: &[crate::api::common::Condition]) -> Option<String> {
+    conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.message.clone())
 }
 
 /// Which v1beta2 initialization flag says a referenced object is ready.
