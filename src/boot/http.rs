@@ -229,7 +229,7 @@ impl TokenIndex {
         inner.refreshed = Some(std::time::Instant::now());
         inner.retain_live(store);
         for secret in store.state() {
-            let key = ObjectRef::from_obj(secret.as_ref());
+            let key = place_of(&secret);
             let version = secret.resource_version().unwrap_or_default();
             if inner.versions.get(&key).is_some_and(|(v, _)| *v == version) {
                 continue;
@@ -240,6 +240,17 @@ impl TokenIndex {
                 inner.insert(&secret, &record);
             }
         }
+    }
+}
+
+/// A Secret's place in the store, for the token index: `ObjectRef::from_obj` would also copy in
+/// its resourceVersion and uid, two more strings per boot Secret held, which lookups ignore.
+fn place_of(secret: &Secret) -> ObjectRef<Secret> {
+    let meta = &secret.metadata;
+    let reference = ObjectRef::new(meta.name.as_deref().unwrap_or_default());
+    match meta.namespace.as_deref() {
+        Some(namespace) => reference.within(namespace),
+        None => reference,
     }
 }
 
@@ -260,7 +271,7 @@ impl TokenIndexInner {
 
     /// Indexes `record`'s token under its Secret, replacing that Secret's previous token.
     fn insert(&mut self, secret: &Secret, record: &BootRecord) {
-        let key = ObjectRef::from_obj(secret);
+        let key = place_of(secret);
         let hash = token_hash(record.token.expose());
         let version = secret.resource_version().unwrap_or_default();
         if let Some((_, old)) = self.versions.insert(key.clone(), (version, hash)) {

@@ -5,9 +5,11 @@
 //! Written here instead of using `kube::runtime::events::Recorder` because of what that costs
 //! at fleet scale: it keeps a full copy of every Event of the last six minutes and scans all of
 //! them on every publish (tens of thousands of copies and scans while 10,000 hosts register).
-//! This keeps one short key and the Event's name per series, and expires them in time order.
+//! This keeps, per series, a 64-bit hash of what makes it one and the time of its first Event
+//! (which gives the Event's name), with no string on the heap, and expires them in time order.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 
 use jiff::{SignedDuration, Timestamp};
@@ -21,18 +23,22 @@ use kube::runtime::events::EventType;
 /// How long a repeat joins the earlier Event's series (kube-runtime and client-go use the same).
 pub const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);
 
-/// One series: the Event that started it and how often it happened since.
+/// One series: when its first Event was created (its name says when), how often it happened
+/// since, and when last.
 struct Series {
-    event_name: String,
+    first: Timestamp,
     count: i32,
     last: Timestamp,
 }
 
+/// What makes two Events one series, hashed (see [`EventRecorder::series_key`]).
+type SeriesKey = u64;
+
 /// Series of the last [`SERIES_WINDOW`], by key, with their expiry in time order.
 #[derive(Default)]
 struct Recent {
-    series: HashMap<String, Series>,
-    expiry: VecDeque<(Timestamp, String)>,
+    series: HashMap<SeriesKey, Series>,
+    expiry: VecDeque<(Timestamp, SeriesKey)>,
 }
 
 impl Recent {
@@ -56,20 +62,19 @@ impl Recent {
         }
     }
 
-    /// The repeat of a live series (its Event's name and the new count), or None: a new Event.
-    fn repeat(&mut self, key: &str, now: Timestamp) -> Option<(String, i32)> {
+    /// The repeat of a live series (when its first Event was created, and the new count), or
+    /// None: a new Event.
+    fn repeat(&mut self, key: SeriesKey, now: Timestamp) -> Option<(Timestamp, i32)> {
         self.expire(now);
-        self.series
-            .get(key)
-            .map(|s| (s.event_name.clone(), s.count + 1))
+        self.series.get(&key).map(|s| (s.first, s.count + 1))
     }
 
-    fn record(&mut self, key: String, event_name: String, count: i32, now: Timestamp) {
-        self.expiry.push_back((now + SERIES_WINDOW, key.clone()));
+    fn record(&mut self, key: SeriesKey, first: Timestamp, count: i32, now: Timestamp) {
+        self.expiry.push_back((now + SERIES_WINDOW, key));
         self.series.insert(
             key,
             Series {
-                event_name,
+                first,
                 count,
                 last: now,
             },
@@ -89,6 +94,9 @@ pub struct EventRecorder {
     controller: String,
     instance: String,
     recent: Arc<Mutex<Recent>>,
+    /// Keys the series hash per process: object names come from users, so no one can make two
+    /// series collide on purpose.
+    hasher: RandomState,
 }
 
 impl EventRecorder {
@@ -98,6 +106,7 @@ impl EventRecorder {
             controller: controller.into(),
             instance: std::env::var("POD_NAME").unwrap_or_else(|_| controller.into()),
             recent: Arc::default(),
+            hasher: RandomState::new(),
         }
     }
 
@@ -116,33 +125,29 @@ impl EventRecorder {
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let key = series_key(&regarding, warning, reason, action);
+        let key = series_key(&self.hasher, &regarding, warning, reason, action);
         let now = Timestamp::now();
-        let repeat = self
-            .recent
-            .lock()
-            .ok()
-            .and_then(|mut r| r.repeat(&key, now));
+        let repeat = self.recent.lock().ok().and_then(|mut r| r.repeat(key, now));
         let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
-        let (name, count) = match repeat {
-            Some((name, count)) => {
+        let (first, count) = match repeat {
+            Some((first, count)) => {
                 let patch = serde_json::json!({
                     "series": EventSeries { count, last_observed_time: MicroTime(now) }
                 });
+                let name = event_name(&regarding, &self.controller, first);
                 events
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await?;
-                (name, count)
+                (first, count)
             }
             None => {
                 let event = self.event(regarding, warning, reason, action, note, now);
-                let name = event.metadata.name.clone().unwrap_or_default();
                 events.create(&PostParams::default(), &event).await?;
-                (name, 1)
+                (now, 1)
             }
         };
         if let Ok(mut recent) = self.recent.lock() {
-            recent.record(key, name, count, now);
+            recent.record(key, first, count, now);
         }
         Ok(())
     }
@@ -156,13 +161,9 @@ impl EventRecorder {
         note: &str,
         now: Timestamp,
     ) -> Event {
-        let object = regarding
-            .name
-            .clone()
-            .unwrap_or_else(|| self.controller.clone());
         Event {
             metadata: ObjectMeta {
-                name: Some(format!("{object}.{:x}", now.as_nanosecond())),
+                name: Some(event_name(&regarding, &self.controller, now)),
                 namespace: regarding.namespace.clone(),
                 ..Default::default()
             },
@@ -180,17 +181,32 @@ impl EventRecorder {
     }
 }
 
+/// The name of the Event that starts a series at `first`: the object's name (the reporting
+/// controller's for an object without one) and the time.
+fn event_name(regarding: &ObjectReference, controller: &str, first: Timestamp) -> String {
+    let object = regarding.name.as_deref().unwrap_or(controller);
+    format!("{object}.{:x}", first.as_nanosecond())
+}
+
 /// What makes two Events the same series: the object (by uid, so a re-created namesake starts
-/// afresh), type, reason and action.
-fn series_key(regarding: &ObjectReference, warning: bool, reason: &str, action: &str) -> String {
-    format!(
-        "{}/{}/{}/{}\0{}\0{reason}\0{action}",
+/// afresh), type, reason and action. Hashed: a `str` hashes with a terminator, so the parts
+/// cannot run into each other.
+fn series_key(
+    hasher: &RandomState,
+    regarding: &ObjectReference,
+    warning: bool,
+    reason: &str,
+    action: &str,
+) -> SeriesKey {
+    hasher.hash_one((
         regarding.kind.as_deref().unwrap_or_default(),
         regarding.namespace.as_deref().unwrap_or_default(),
         regarding.name.as_deref().unwrap_or_default(),
         regarding.uid.as_deref().unwrap_or_default(),
-        if warning { 'W' } else { 'N' },
-    )
+        warning,
+        reason,
+        action,
+    ))
 }
 
 #[cfg(test)]
@@ -204,13 +220,13 @@ mod tests {
     #[test]
     fn a_repeat_within_the_window_joins_the_series_and_a_later_one_starts_anew() {
         let mut recent = Recent::default();
-        assert_eq!(recent.repeat("a", at(0)), None);
-        recent.record("a".into(), "ev-a".into(), 1, at(0));
-        assert_eq!(recent.repeat("a", at(300)), Some(("ev-a".into(), 2)));
-        recent.record("a".into(), "ev-a".into(), 2, at(300));
+        assert_eq!(recent.repeat(7, at(0)), None);
+        recent.record(7, at(0), 1, at(0));
+        assert_eq!(recent.repeat(7, at(300)), Some((at(0), 2)));
+        recent.record(7, at(0), 2, at(300));
         // Six minutes after the first, but not after the last repeat: still the series.
-        assert_eq!(recent.repeat("a", at(400)), Some(("ev-a".into(), 3)));
-        assert_eq!(recent.repeat("a", at(300 + 360)), None, "window passed");
+        assert_eq!(recent.repeat(7, at(400)), Some((at(0), 3)));
+        assert_eq!(recent.repeat(7, at(300 + 360)), None, "window passed");
         assert_eq!(recent.len(), 0, "expired series are forgotten");
     }
 
@@ -218,15 +234,12 @@ mod tests {
     fn expiry_forgets_old_series_without_touching_live_ones() {
         let mut recent = Recent::default();
         for i in 0..1000 {
-            recent.record(format!("k{i}"), format!("e{i}"), 1, at(i));
+            recent.record(i as SeriesKey, at(i), 1, at(i));
         }
         recent.expire(at(360 + 499));
         assert_eq!(recent.len(), 500, "series 0..=499 expired, 500.. live");
-        assert_eq!(
-            recent.repeat("k500", at(360 + 499)),
-            Some(("e500".into(), 2))
-        );
-        assert_eq!(recent.repeat("k499", at(360 + 499)), None);
+        assert_eq!(recent.repeat(500, at(360 + 499)), Some((at(500), 2)));
+        assert_eq!(recent.repeat(499, at(360 + 499)), None);
     }
 
     #[test]
@@ -238,23 +251,39 @@ mod tests {
             uid: Some(uid.into()),
             ..Default::default()
         };
-        let base = series_key(&r("a", "1"), false, "Registered", "Registered");
+        let hasher = RandomState::new();
+        let key = |regarding: &ObjectReference, warning: bool, reason: &str, action: &str| {
+            series_key(&hasher, regarding, warning, reason, action)
+        };
+        let base = key(&r("a", "1"), false, "Registered", "Registered");
+        assert_eq!(base, key(&r("a", "1"), false, "Registered", "Registered"));
+        assert_ne!(base, key(&r("a", "2"), false, "Registered", "Registered"));
+        assert_ne!(base, key(&r("b", "1"), false, "Registered", "Registered"));
+        assert_ne!(base, key(&r("a", "1"), true, "Registered", "Registered"));
+        assert_ne!(base, key(&r("a", "1"), false, "Other", "Registered"));
+        // Parts cannot run into each other: reason "ab" + action "c" is not "a" + "bc".
+        assert_ne!(
+            key(&r("a", "1"), false, "ab", "c"),
+            key(&r("a", "1"), false, "a", "bc")
+        );
+    }
+
+    /// A repeat patches the Event its series started with: the name is the same from the
+    /// object and the first Event's time alone.
+    #[test]
+    fn a_series_names_its_first_event_from_the_object_and_the_time() {
+        let regarding = ObjectReference {
+            name: Some("host-1".into()),
+            ..Default::default()
+        };
+        let first = at(0);
         assert_eq!(
-            base,
-            series_key(&r("a", "1"), false, "Registered", "Registered")
+            event_name(&regarding, "ctl", first),
+            format!("host-1.{:x}", first.as_nanosecond())
         );
-        assert_ne!(
-            base,
-            series_key(&r("a", "2"), false, "Registered", "Registered")
+        assert_eq!(
+            event_name(&ObjectReference::default(), "ctl", first),
+            format!("ctl.{:x}", first.as_nanosecond())
         );
-        assert_ne!(
-            base,
-            series_key(&r("b", "1"), false, "Registered", "Registered")
-        );
-        assert_ne!(
-            base,
-            series_key(&r("a", "1"), true, "Registered", "Registered")
-        );
-        assert_ne!(base, series_key(&r("a", "1"), false, "Other", "Registered"));
     }
 }

@@ -21,11 +21,70 @@ type ObjectKey = (String, String);
 /// What the index keys an object under (none, one or several keys).
 pub type KeysOf<K> = fn(&K) -> Vec<String>;
 
+/// The objects listed under one key. Most keys list a single object (a host's consumer, a Node's
+/// providerID), and a one-entry B-tree still allocates a whole node of eleven slots (about 640
+/// bytes): at 10,000 hosts, megabytes for nothing.
+enum Listed<K> {
+    One(ObjectKey, Arc<K>),
+    Many(BTreeMap<ObjectKey, Arc<K>>),
+}
+
+impl<K> Listed<K> {
+    fn insert(&mut self, object: ObjectKey, value: Arc<K>) {
+        match self {
+            Listed::One(only, held) if *only == object => *held = value,
+            Listed::One(..) => {
+                let mut many = BTreeMap::new();
+                let single = std::mem::replace(self, Listed::Many(BTreeMap::new()));
+                if let Listed::One(only, held) = single {
+                    many.insert(only, held);
+                }
+                many.insert(object, value);
+                *self = Listed::Many(many);
+            }
+            Listed::Many(many) => {
+                many.insert(object, value);
+            }
+        }
+    }
+
+    /// Removes `object`; true when nothing is left under the key.
+    fn remove(&mut self, object: &ObjectKey) -> bool {
+        match self {
+            Listed::One(only, _) => only == object,
+            Listed::Many(many) => {
+                many.remove(object);
+                match many.len() {
+                    0 => true,
+                    // Back to one entry: give the B-tree's node back.
+                    1 => {
+                        if let Some((only, held)) = std::mem::take(many).into_iter().next() {
+                            *self = Listed::One(only, held);
+                        }
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+
+    /// The objects, ordered by namespace and name.
+    fn values(&self) -> Vec<Arc<K>> {
+        match self {
+            Listed::One(_, held) => vec![held.clone()],
+            Listed::Many(many) => many.values().cloned().collect(),
+        }
+    }
+}
+
 struct Members<K> {
-    /// Per index key, its objects by namespace and name (the same `Arc`s the store holds).
-    by_key: HashMap<String, BTreeMap<ObjectKey, Arc<K>>>,
-    /// Per object, the keys it is listed under now (to unlist it when it changes).
-    keys_of_object: HashMap<ObjectKey, Vec<String>>,
+    /// Per index key, its objects (the same `Arc`s the store holds).
+    by_key: HashMap<Arc<str>, Listed<K>>,
+    /// Per object, the keys it is listed under now (to unlist it when it changes). The key
+    /// strings are those of `by_key`: a key shared by 10,000 hosts (their BMC credentials
+    /// Secret) is one string, not 10,000.
+    keys_of_object: HashMap<ObjectKey, Box<[Arc<str>]>>,
 }
 
 impl<K> Default for Members<K> {
@@ -40,11 +99,10 @@ impl<K> Default for Members<K> {
 impl<K> Members<K> {
     fn unlist(&mut self, object: &ObjectKey) {
         for key in self.keys_of_object.remove(object).unwrap_or_default() {
-            if let Some(members) = self.by_key.get_mut(&key) {
-                members.remove(object);
-                if members.is_empty() {
-                    self.by_key.remove(&key);
-                }
+            if let Some(listed) = self.by_key.get_mut(&key)
+                && listed.remove(object)
+            {
+                self.by_key.remove(&key);
             }
         }
     }
@@ -54,13 +112,20 @@ impl<K> Members<K> {
         if keys.is_empty() {
             return;
         }
-        for key in &keys {
+        let mut shared = Vec::with_capacity(keys.len());
+        for key in keys {
+            let key: Arc<str> = match self.by_key.get_key_value(key.as_str()) {
+                Some((existing, _)) => existing.clone(),
+                None => Arc::from(key),
+            };
             self.by_key
                 .entry(key.clone())
-                .or_default()
-                .insert(object.clone(), value.clone());
+                .and_modify(|listed| listed.insert(object.clone(), value.clone()))
+                .or_insert_with(|| Listed::One(object.clone(), value.clone()));
+            shared.push(key);
         }
-        self.keys_of_object.insert(object, keys);
+        self.keys_of_object
+            .insert(object, shared.into_boxed_slice());
     }
 }
 
@@ -104,7 +169,7 @@ where
         members
             .by_key
             .get(key)
-            .map(|m| m.values().cloned().collect())
+            .map(Listed::values)
             .unwrap_or_default()
     }
 
@@ -231,6 +296,63 @@ mod tests {
             stored.iter().any(|s| Arc::ptr_eq(s, &listed[0])),
             "the index hands out the store's own objects"
         );
+    }
+
+    /// A key goes from one object to several and back (its B-tree dropped again) to none, and
+    /// the key string is shared between the key's entry and every object listed under it.
+    #[test]
+    fn a_key_goes_from_one_object_to_many_and_back() {
+        let (store, mut writer) = reflector::store::<ConfigMap>();
+        let index = Index::new(by_colour);
+        for e in [Event::Init, Event::InitDone] {
+            index.apply(&mut writer, &store, &e);
+        }
+        let apply = |writer: &mut reflector::store::Writer<ConfigMap>, e: Event<ConfigMap>| {
+            index.apply(writer, &store, &e)
+        };
+        apply(&mut writer, Event::Apply(map("b", Some("red"))));
+        assert_eq!(names(&index, "colour/red"), ["b"]);
+        apply(&mut writer, Event::Apply(map("a", Some("red"))));
+        apply(&mut writer, Event::Apply(map("c", Some("red"))));
+        assert_eq!(names(&index, "colour/red"), ["a", "b", "c"], "ordered");
+        {
+            let members = index.members.read().unwrap_or_else(PoisonError::into_inner);
+            let (key, _) = members.by_key.get_key_value("colour/red").expect("listed");
+            assert!(
+                members
+                    .keys_of_object
+                    .values()
+                    .all(|keys| keys.iter().all(|k| Arc::ptr_eq(k, key))),
+                "one key string, shared"
+            );
+        }
+        apply(&mut writer, Event::Delete(map("a", Some("red"))));
+        apply(&mut writer, Event::Apply(map("c", Some("blue"))));
+        assert_eq!(names(&index, "colour/red"), ["b"]);
+        assert!(
+            matches!(
+                index
+                    .members
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .by_key
+                    .get("colour/red"),
+                Some(Listed::One(..))
+            ),
+            "back to a single entry"
+        );
+        apply(&mut writer, Event::Apply(map("b", Some("red"))));
+        assert_eq!(
+            names(&index, "colour/red"),
+            ["b"],
+            "a new version replaces the old"
+        );
+        apply(&mut writer, Event::Apply(map("b", None)));
+        assert!(names(&index, "colour/red").is_empty());
+        assert_eq!(names(&index, "colour/blue"), ["c"]);
+        let members = index.members.read().unwrap_or_else(PoisonError::into_inner);
+        assert_eq!(members.by_key.len(), 1, "an emptied key is gone");
+        assert_eq!(members.keys_of_object.len(), 1);
     }
 
     #[test]
