@@ -27,7 +27,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::core::{ApiResource, DeserializeGuard};
 use kube::runtime::controller::Action;
@@ -36,6 +35,7 @@ use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use workloads::WorkloadNode;
 
 use crate::api::capi::MachineStatus;
 use crate::api::{CloudInitConfig, Cluster, Machine, MetalMachine};
@@ -205,7 +205,7 @@ impl Triggers {
         }
     }
 
-    pub fn node_changed(&self, node: &Node) {
+    pub fn node_changed(&self, node: &WorkloadNode) {
         let Some(id) = node.spec.as_ref().and_then(|s| s.provider_id.as_deref()) else {
             return;
         };

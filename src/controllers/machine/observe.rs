@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Node;
+use super::workloads::WorkloadNode;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
@@ -114,7 +114,7 @@ pub const SYNCED_ANNOTATION_PREFIX: &str = "cluster.x-k8s.io/";
 
 /// What upstream's node syncing would still change on `node`: the Machine's annotations, its
 /// node-role labels, and removal of the uninitialized taint. `None` when in sync.
-pub fn node_sync_patch(node: &Node, m: &Machine) -> Option<serde_json::Value> {
+pub fn node_sync_patch(node: &WorkloadNode, m: &Machine) -> Option<serde_json::Value> {
     let mut annotations = serde_json::Map::new();
     for (k, v) in [
         ("cluster.x-k8s.io/cluster-name", m.spec.cluster_name.clone()),
@@ -157,7 +157,7 @@ pub fn node_sync_patch(node: &Node, m: &Machine) -> Option<serde_json::Value> {
     Some(patch)
 }
 
-fn node_view(node: &Node, m: &Machine) -> NodeView {
+fn node_view(node: &WorkloadNode, m: &Machine) -> NodeView {
     let ready = node
         .status
         .as_ref()
@@ -442,7 +442,7 @@ mod tests {
             .into(),
         );
         let node = |annotations: serde_json::Value, labels: serde_json::Value, ready: &str| {
-            serde_json::from_value::<Node>(serde_json::json!({
+            serde_json::from_value::<WorkloadNode>(serde_json::json!({
                 "metadata": {"name": "n1", "annotations": annotations, "labels": labels},
                 "spec": {"providerID": "metalboot://ns/h/u", "taints": [
                     {"key": UNINITIALIZED_TAINT, "effect": "NoSchedule"}]},

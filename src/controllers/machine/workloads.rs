@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Secret};
+use k8s_openapi::api::core::v1::{NodeCondition, NodeSystemInfo, Secret, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::reflector;
@@ -25,7 +26,7 @@ struct Workload {
     client: kube::Client,
     nodes: NodesByProviderId,
     /// The Node store behind `nodes`: until its first list, no Node is "missing".
-    store: reflector::Store<Node>,
+    store: reflector::Store<WorkloadNode>,
     /// Until when passes wait for that first list; after it, they say the cluster is
     /// unreachable at once (a cluster that never lists must not hold every pass 10 s).
     list_deadline: Instant,
@@ -36,7 +37,7 @@ struct Workload {
 struct Handles {
     client: kube::Client,
     nodes: NodesByProviderId,
-    store: reflector::Store<Node>,
+    store: reflector::Store<WorkloadNode>,
     list_deadline: Instant,
 }
 
@@ -65,13 +66,60 @@ impl Drop for Workload {
     }
 }
 
+/// A workload cluster's Node as a Machine's pass reads it (`observe::node_view`,
+/// `observe::node_sync_patch`): metadata, spec (providerID, taints), and of the status the
+/// conditions and nodeInfo. Read into this type, not `Node`: serde skips everything else as it
+/// reads (a real Node's image list, volumes, addresses and resource lists), and the struct is a
+/// third of `Node`'s 1,520 bytes, which were mostly empty status fields: one per host, times
+/// every Node of every workload cluster.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+pub struct WorkloadNode {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    pub spec: Option<WorkloadNodeSpec>,
+    pub status: Option<WorkloadNodeStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+pub struct WorkloadNodeSpec {
+    #[serde(rename = "providerID")]
+    pub provider_id: Option<String>,
+    pub taints: Option<Vec<Taint>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadNodeStatus {
+    pub conditions: Option<Vec<NodeCondition>>,
+    pub node_info: Option<NodeSystemInfo>,
+}
+
+impl k8s_openapi::Resource for WorkloadNode {
+    const API_VERSION: &'static str = "v1";
+    const GROUP: &'static str = "";
+    const KIND: &'static str = "Node";
+    const VERSION: &'static str = "v1";
+    const URL_PATH_SEGMENT: &'static str = "nodes";
+    type Scope = k8s_openapi::ClusterResourceScope;
+}
+
+impl k8s_openapi::Metadata for WorkloadNode {
+    type Ty = ObjectMeta;
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
 /// What a Machine's pass reads of its Node (`observe::node_view`, `observe::node_sync_patch`):
 /// metadata (name, and of the annotations and labels only those it syncs), spec (providerID,
 /// taints), and of the status the Ready condition and nodeInfo. A real Node's status is mostly
 /// its image list (tens of entries with digests), volumes and resource lists, and its metadata
 /// a dozen labels and annotations of the kubelet's and the CNI's: kilobytes per Node, times
 /// every Node of every workload cluster.
-pub fn keep_what_machines_read(node: &mut Node) {
+pub fn keep_what_machines_read(node: &mut WorkloadNode) {
     use super::observe::{SYNCED_ANNOTATION_PREFIX, synced_label};
     // Collected anew, not `retain`ed: an emptied B-tree keeps its node (about 540 bytes).
     fn only(
@@ -86,21 +134,20 @@ pub fn keep_what_machines_read(node: &mut Node) {
         k.starts_with(SYNCED_ANNOTATION_PREFIX)
     });
     meta.labels = only(meta.labels.take(), synced_label);
-    node.status = node.status.take().map(|status| NodeStatus {
-        conditions: status
+    if let Some(status) = node.status.as_mut() {
+        status.conditions = status
             .conditions
-            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect()),
-        node_info: status.node_info,
-        ..Default::default()
-    });
+            .take()
+            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
+    }
 }
 
 /// A workload cluster's Nodes by providerID: a Machine's pass finds its Node without comparing
 /// every Node's providerID (at 10,000 Nodes, most of the standalone Machine controller's CPU).
-pub type NodesByProviderId = crate::stores::Index<Node>;
+pub type NodesByProviderId = crate::stores::Index<WorkloadNode>;
 
 /// The key [`NodesByProviderId`] lists a Node under.
-fn provider_id_of(node: &Node) -> Vec<String> {
+fn provider_id_of(node: &WorkloadNode) -> Vec<String> {
     node.spec
         .as_ref()
         .and_then(|s| s.provider_id.clone())
@@ -109,7 +156,7 @@ fn provider_id_of(node: &Node) -> Vec<String> {
 }
 
 /// Called with every changed Node, so Machines wake when their Node appears or turns Ready.
-pub type NodeListener = Arc<dyn Fn(&Node) + Send + Sync>;
+pub type NodeListener = Arc<dyn Fn(&WorkloadNode) + Send + Sync>;
 
 #[derive(Default)]
 pub struct Workloads {
@@ -225,7 +272,7 @@ impl Workloads {
         let nodes = NodesByProviderId::new(provider_id_of);
         let listener = self.listener.clone();
         let events = crate::stores::lean(watcher(
-            Api::<Node>::all(workload.clone()),
+            Api::<WorkloadNode>::all(workload.clone()),
             watcher::Config::default(),
         ))
         .modify(keep_what_machines_read)
@@ -281,7 +328,7 @@ const LIST_WAIT: Duration = Duration::from_secs(10);
 /// way would read no Node as "the Node is missing". A store whose watch was replaced (a new
 /// kubeconfig) is never filled: that is no list either.
 async fn listed(
-    store: &reflector::Store<Node>,
+    store: &reflector::Store<WorkloadNode>,
     deadline: Instant,
     cluster: &str,
 ) -> Result<(), Unavailable> {
@@ -310,12 +357,12 @@ mod tests {
 
     #[test]
     fn a_stored_node_keeps_what_a_machine_reads_and_drops_its_image_list() {
-        let node: Node = serde_json::from_value(serde_json::json!({
+        let json = serde_json::json!({
             "metadata": {"name": "n1",
                 "annotations": {"cluster.x-k8s.io/machine": "m1",
                     "flannel.alpha.coreos.com/public-ip": "10.0.0.1"},
                 "labels": {"node-role.kubernetes.io/worker": "", "kubernetes.io/arch": "amd64"}},
-            "spec": {"providerID": "metalboot://ns/h/u",
+            "spec": {"providerID": "metalboot://ns/h/u", "podCIDR": "10.244.0.0/24",
                      "taints": [{"key": "node.cluster.x-k8s.io/uninitialized", "effect": "NoSchedule"}]},
             "status": {
                 "conditions": [{"type": "MemoryPressure", "status": "False"},
@@ -328,17 +375,25 @@ mod tests {
                 "capacity": {"cpu": "2"}, "allocatable": {"cpu": "2"},
                 "volumesInUse": ["v"]
             }
-        }))
-        .expect("node");
-        let mut kept = node.clone();
+        });
+        // The Node as the apiserver has it, read whole, against what the store keeps.
+        let node: k8s_openapi::api::core::v1::Node =
+            serde_json::from_value(json.clone()).expect("a Node");
+        let mut kept: WorkloadNode = serde_json::from_value(json).expect("a WorkloadNode");
         keep_what_machines_read(&mut kept);
-        assert_eq!(kept.spec, node.spec);
+        let (spec, was_spec) = (
+            kept.spec.clone().unwrap_or_default(),
+            node.spec.clone().unwrap_or_default(),
+        );
+        assert_eq!(spec.provider_id, was_spec.provider_id);
+        assert_eq!(spec.taints, was_spec.taints);
         let (status, was) = (
             kept.status.clone().unwrap_or_default(),
             node.status.clone().unwrap_or_default(),
         );
         assert_eq!(status.node_info, was.node_info);
-        let types = |cs: Option<Vec<k8s_openapi::api::core::v1::NodeCondition>>| {
+        assert!(status.node_info.is_some());
+        let types = |cs: Option<Vec<NodeCondition>>| {
             cs.unwrap_or_default()
                 .into_iter()
                 .map(|c| c.type_)
@@ -360,17 +415,15 @@ mod tests {
         );
         assert_eq!(kept.metadata.name, node.metadata.name);
         // Nothing synced: no map at all (an emptied one would keep its allocation).
-        let mut bare = node.clone();
+        let mut bare = kept.clone();
         bare.metadata.labels = Some([("kubernetes.io/os".to_string(), "linux".to_string())].into());
         keep_what_machines_read(&mut bare);
         assert_eq!(bare.metadata.labels, None);
-        assert!(status.images.is_none() && status.addresses.is_none());
-        assert!(status.capacity.is_none() && status.volumes_in_use.is_none());
         assert!(
-            serde_json::to_vec(&kept)
-                .map(|v| v.len())
-                .unwrap_or(usize::MAX)
-                < serde_json::to_vec(&node).map(|v| v.len()).unwrap_or(0)
+            std::mem::size_of::<WorkloadNode>()
+                < std::mem::size_of::<k8s_openapi::api::core::v1::Node>() / 2,
+            "{} bytes",
+            std::mem::size_of::<WorkloadNode>()
         );
     }
 }
