@@ -195,13 +195,14 @@ pub fn lean<K: Resource + Send + 'static>(
     })
 }
 
-/// `kube::runtime::reflector`, except that the store keeps only the objects `stored` accepts;
-/// every event still passes on (a controller is woken by all of them). An object that stops
-/// being accepted leaves the store. For a watch whose store is read for a few of its objects,
-/// and whose other objects (one or two per host) would be held for nothing.
-pub fn reflector_storing<K, E>(
+/// `kube::runtime::reflector`, except that the store holds `keep(object)`: a few of each
+/// object's fields, or nothing (None). Every event still passes on whole (a controller is woken
+/// by all of them, and maps them to their owners). An object that stops being kept leaves the
+/// store. For a watch whose store is read for a few of its objects, or for a few fields, while
+/// the rest (one or two objects per host) would be held for nothing.
+pub fn reflector_keeping<K, E>(
     mut writer: Writer<K>,
-    stored: impl Fn(&K) -> bool + Send + 'static,
+    keep: impl Fn(&K) -> Option<K> + Send + 'static,
     events: impl futures::Stream<Item = Result<watcher::Event<K>, E>>,
 ) -> impl futures::Stream<Item = Result<watcher::Event<K>, E>>
 where
@@ -210,18 +211,24 @@ where
 {
     use futures::TryStreamExt;
     events.inspect_ok(move |event| match event {
-        watcher::Event::Apply(obj) if !stored(obj) => {
-            writer.apply_watcher_event(&watcher::Event::Delete(obj.clone()));
+        watcher::Event::Apply(obj) => match keep(obj) {
+            Some(kept) => writer.apply_watcher_event(&watcher::Event::Apply(kept)),
+            None => writer.apply_watcher_event(&watcher::Event::Delete(obj.clone())),
+        },
+        watcher::Event::InitApply(obj) => {
+            if let Some(kept) = keep(obj) {
+                writer.apply_watcher_event(&watcher::Event::InitApply(kept));
+            }
         }
-        watcher::Event::InitApply(obj) if !stored(obj) => {}
         _ => writer.apply_watcher_event(event),
     })
 }
 
 /// What is kept of a Secret watched for its metadata alone: name, version and labels, the
 /// annotations named in `annotations`, and the owners when `owners` (an owned-object watch maps
-/// a change to its owner through them, a `reflector_storing` filter may decide by them). Every boot and bootstrap Secret passes through such a
-/// watch; their other annotations and fields were 2.5 KB per Secret at N=1,000 (heaptrack).
+/// a change to its owner through them, a `reflector_keeping` filter may decide by them). Every
+/// boot and bootstrap Secret passes through such a watch; their other annotations and fields
+/// were 2.5 KB per Secret at N=1,000 (heaptrack).
 pub fn slim_secret_meta(
     secret: &mut kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Secret>,
     annotations: &[&str],
@@ -473,7 +480,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_storing_reflector_keeps_only_what_it_accepts_and_passes_every_event_on() {
+    async fn a_keeping_reflector_stores_what_it_keeps_and_passes_every_event_on_whole() {
         use kube::ResourceExt;
         use watcher::Event;
         let kept = |name: &str, keep: bool| ConfigMap {
@@ -496,17 +503,36 @@ mod tests {
             // a kept object that stops being accepted leaves the store
             Event::Apply(kept("a", false)),
         ];
-        let passed: Vec<_> = reflector_storing(
+        let passed: Vec<_> = reflector_keeping(
             writer,
-            |cm: &ConfigMap| cm.labels().contains_key("keep"),
+            |cm: &ConfigMap| {
+                cm.labels().contains_key("keep").then(|| ConfigMap {
+                    metadata: kube::api::ObjectMeta {
+                        name: cm.metadata.name.clone(),
+                        namespace: cm.metadata.namespace.clone(),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                })
+            },
             futures::stream::iter(events.into_iter().map(Ok::<_, ()>)),
         )
         .collect()
         .await;
         assert_eq!(passed.len(), 7, "every event passes on");
+        assert!(
+            passed
+                .iter()
+                .any(|e| matches!(e, Ok(Event::Apply(cm)) if cm.labels().contains_key("keep"))),
+            "whole"
+        );
         let mut names: Vec<String> = store.state().iter().map(|cm| cm.name_any()).collect();
         names.sort();
         assert_eq!(names, ["d"]);
+        assert!(
+            store.state().iter().all(|cm| cm.metadata.labels.is_none()),
+            "the store holds what `keep` made of it"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::core::DeserializeGuard;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
@@ -430,6 +430,20 @@ fn bootstrap_secrets() -> watcher::Config {
     ))
 }
 
+/// What the bootstrap Secrets' store keeps of each: its name and namespace. A pass asks it only
+/// whether the config's Secret exists; the watch's events, owners included, still wake the
+/// config that owns it. Labels, owners and versions were about 1 KB per provisioned host.
+fn name_only(secret: &PartialObjectMeta<Secret>) -> PartialObjectMeta<Secret> {
+    let mut kept = secret.clone();
+    kept.types = None;
+    kept.metadata = ObjectMeta {
+        name: secret.metadata.name.clone(),
+        namespace: secret.metadata.namespace.clone(),
+        ..Default::default()
+    };
+    kept
+}
+
 /// The controller over `configs` (a [`SharedStore`] filled by [`watch_configs`]), and the
 /// store of the bootstrap Secrets' metadata its watch of them keeps.
 pub fn controller(
@@ -449,8 +463,9 @@ pub fn controller(
     // this process. Passes wait for its first list; after that a miss in a lagging store costs
     // a create answered 409, never a second Secret or an overwrite.
     let (store, writer) = reflector::store();
-    let owned = reflector(
+    let owned = crate::stores::reflector_keeping(
         writer,
+        |s| Some(name_only(s)),
         watcher(secrets, bootstrap_secrets())
             .modify(|s| crate::stores::slim_secret_meta(s, &[], true))
             .default_backoff(),
@@ -490,6 +505,34 @@ pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext
 mod tests {
     use super::*;
     use crate::api::cloudinitconfig::{CloudInitFile, CloudInitUser};
+
+    /// The store answers "does the Secret exist" by name, and keeps nothing else of it.
+    #[test]
+    fn the_bootstrap_secrets_store_keeps_only_names() {
+        let secret: PartialObjectMeta<Secret> = serde_json::from_value(serde_json::json!({
+            "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "m1", "namespace": "ns", "resourceVersion": "9", "uid": "u",
+                "labels": {"cluster.x-k8s.io/cluster-name": "c"},
+                "ownerReferences": [{"apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2",
+                    "kind": "CloudInitConfig", "name": "m1", "uid": "cu", "controller": true}]}
+        }))
+        .expect("metadata");
+        let kept = name_only(&secret);
+        assert_eq!(
+            kept.metadata,
+            ObjectMeta {
+                name: Some("m1".into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            }
+        );
+        assert_eq!(kept.types, None);
+        assert_eq!(
+            ObjectRef::from_obj(&kept),
+            ObjectRef::from_obj(&secret),
+            "found under the same key"
+        );
+    }
 
     #[test]
     fn rendering_is_stable_and_ends_with_the_sentinel() {

@@ -754,9 +754,11 @@ pub fn controller(
     let claimed = stores.host_index.clone();
     // Credentials are re-checked as soon as their Secret changes (metadata only is watched, and
     // kept in a store for the move label).
-    let secret_changes = crate::stores::reflector_storing(
+    let secret_changes = crate::stores::reflector_keeping(
         secret_meta,
-        |secret: &PartialObjectMeta<Secret>| may_be_bmc_secret(&secret.metadata),
+        |secret: &PartialObjectMeta<Secret>| {
+            may_be_bmc_secret(&secret.metadata).then(|| secret.clone())
+        },
         // Owners are kept for `may_be_bmc_secret`; the Secrets it keeps are few (a BMC's, a
         // cluster's kubeconfig and CA), not one per host.
         watcher(secrets, watcher::Config::default())
