@@ -286,7 +286,7 @@ impl Workloads {
                 let event = match event {
                     Ok(event) => event,
                     Err(e) => {
-                        tracing::warn!(error = %e, "workload Node watch; retrying");
+                        crate::stores::log_watch_error("workload Node", &e);
                         continue;
                     }
                 };
