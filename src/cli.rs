@@ -440,8 +440,6 @@ pub enum LabCommand {
 pub async fn run() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format, cli.log_level.as_deref());
-    #[cfg(feature = "jemalloc")]
-    crate::metrics::purge_freed_pages_in_background();
     match dispatch(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {

@@ -419,18 +419,6 @@ pub fn set_hosts(counts: &[(&str, i64)]) {
     }
 }
 
-/// Turns on jemalloc's background threads, which hand freed pages back to the OS on jemalloc's
-/// decay schedule (about 10 s after they were freed). Without them an arena purges only when it
-/// is next used, so pages freed in a burst stay resident: after 10,000 machines were released,
-/// the manager kept 310 MB in RAM for 156 MB of live data. True when they are on.
-#[cfg(feature = "jemalloc")]
-pub fn purge_freed_pages_in_background() -> bool {
-    if let Err(e) = tikv_jemalloc_ctl::background_thread::write(true) {
-        tracing::warn!(error = %e, "jemalloc background threads unavailable; freed pages stay resident until reused");
-    }
-    tikv_jemalloc_ctl::background_thread::read().unwrap_or(false)
-}
-
 /// Reads jemalloc's counts into `allocator_bytes`. A process whose global allocator is not
 /// jemalloc (a test binary) reads only what went through jemalloc directly.
 #[cfg(feature = "jemalloc")]
@@ -515,17 +503,6 @@ mod tests {
             .find_map(|l| l.strip_prefix(&series))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
-    }
-
-    /// Every command of the binary calls this at start (`cli::run`); jemalloc must accept it.
-    #[test]
-    #[cfg(feature = "jemalloc")]
-    fn jemalloc_purges_freed_pages_in_background_threads() {
-        assert!(purge_freed_pages_in_background());
-        assert_eq!(
-            tikv_jemalloc_ctl::background_thread::read().ok(),
-            Some(true)
-        );
     }
 
     #[test]
