@@ -31,7 +31,7 @@ struct Series {
     last: Timestamp,
 }
 
-/// What makes two Events one series, hashed (see [`EventRecorder::series_key`]).
+/// What makes two Events one series, hashed (see [`series_key`]).
 type SeriesKey = u64;
 
 /// Series of the last [`SERIES_WINDOW`], by key, with their expiry in time order.

@@ -69,9 +69,9 @@ impl Drop for Workload {
 /// A workload cluster's Node as a Machine's pass reads it (`observe::node_view`,
 /// `observe::node_sync_patch`): metadata, spec (providerID, taints), and of the status the
 /// conditions and nodeInfo. Read into this type, not `Node`: serde skips everything else as it
-/// reads (a real Node's image list, volumes, addresses and resource lists), and the struct is a
-/// third of `Node`'s 1,520 bytes, which were mostly empty status fields: one per host, times
-/// every Node of every workload cluster.
+/// reads (a real Node's image list, volumes, addresses and resource lists), and the struct is
+/// under half of `Node`'s 1,520 bytes, which were mostly empty status fields: one per host,
+/// times every Node of every workload cluster.
 #[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 pub struct WorkloadNode {
     #[serde(default)]
