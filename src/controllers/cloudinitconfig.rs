@@ -147,8 +147,8 @@ pub struct ConfigContext {
     pub events: Events,
     pub backoff: Backoff,
     pub watch_filter: Option<String>,
-    /// Which bootstrap Secrets exist: the metadata of this controller's own watch of them (see
-    /// [`controller`]); their data is never held.
+    /// Which bootstrap Secrets exist: their names, from this controller's own watch of their
+    /// metadata (see [`controller`] and `name_only`); their data is never held.
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// The manager's shared Cluster store, when it runs one (not in bootstrap-only mode).
     pub clusters: Option<Store<DeserializeGuard<Cluster>>>,
