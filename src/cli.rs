@@ -73,6 +73,10 @@ pub struct ManagerArgs {
     /// callback waits on excepted); the rest queue in the manager, in order. 0: no bound.
     #[arg(long, env = "METALBOOT_API_REQUESTS_IN_FLIGHT", default_value_t = crate::kubeconn::gate::DEFAULT_IN_FLIGHT)]
     pub api_requests_in_flight: usize,
+    /// Of those, how many ordinary requests may start while a request a host's callback waits
+    /// on is in flight (at least 1; equal to the bound: no difference).
+    #[arg(long, env = "METALBOOT_API_REQUESTS_IN_FLIGHT_BESIDE_CALLBACKS", default_value_t = crate::kubeconn::gate::DEFAULT_BESIDE_URGENT)]
+    pub api_requests_in_flight_beside_callbacks: usize,
     /// Connect to the cluster, report where, and exit (a quick check of credentials and network).
     #[arg(long)]
     pub check_connection: bool,
@@ -234,6 +238,7 @@ impl ManagerArgs {
         };
         Ok(crate::manager::ManagerOptions {
             api_requests_in_flight: self.api_requests_in_flight,
+            api_requests_in_flight_beside_callbacks: self.api_requests_in_flight_beside_callbacks,
             boot_netns,
             dhcp: (self.dhcp != DhcpMode::Off).then(|| crate::manager::DhcpSettings {
                 full: match (self.dhcp, self.dhcp_range) {

@@ -82,6 +82,8 @@ pub struct ManagerOptions {
     pub dhcp: Option<DhcpSettings>,
     /// Ordinary apiserver requests in flight at once (see `kubeconn::gate`; 0: no bound).
     pub api_requests_in_flight: usize,
+    /// Of those, how many may start while a callback's request is in flight.
+    pub api_requests_in_flight_beside_callbacks: usize,
 }
 
 /// How the proxyDHCP service runs.
@@ -136,6 +138,7 @@ impl Default for ManagerOptions {
             boot_netns: NetNamespace::current(),
             dhcp: None,
             api_requests_in_flight: crate::kubeconn::gate::DEFAULT_IN_FLIGHT,
+            api_requests_in_flight_beside_callbacks: crate::kubeconn::gate::DEFAULT_BESIDE_URGENT,
         }
     }
 }
@@ -275,7 +278,11 @@ pub async fn start(
     };
     // Outside the fence: a write waiting in the bound is checked when it leaves, not when it
     // joined.
-    let client = crate::kubeconn::gate::gated(client, opts.api_requests_in_flight);
+    let client = crate::kubeconn::gate::gated(
+        client,
+        opts.api_requests_in_flight,
+        opts.api_requests_in_flight_beside_callbacks,
+    );
     let listener = opts
         .boot_netns
         .tcp_listener(opts.boot_http)

@@ -35,6 +35,7 @@ pub struct Metrics {
     pub store_lag: Family<Labels, Counter>,
     pub callback_stale: Family<Labels, Counter>,
     pub allocator_bytes: Family<Labels, Gauge>,
+    pub apiserver_request_seconds: Family<Labels, Histogram>,
 }
 
 fn reconcile_histogram() -> Histogram {
@@ -90,6 +91,7 @@ pub fn metrics() -> &'static Metrics {
             store_lag: Family::default(),
             callback_stale: Family::default(),
             allocator_bytes: Family::default(),
+            apiserver_request_seconds: Family::new_with_constructor(latency_histogram),
             registry: Registry::default(),
         };
         registry.register(
@@ -178,6 +180,11 @@ pub fn metrics() -> &'static Metrics {
             "callback_lane_stale",
             "Callback-lane passes that found a store behind this manager's own last write, by the kind of the object that store holds",
             m.callback_stale.clone(),
+        );
+        registry.register(
+            "apiserver_request_seconds",
+            "The manager's apiserver requests (watches and Lease renewals aside), by lane (urgent: work a host's callback waits on; ordinary: the rest) and stage: seconds waiting in the manager's bound (stage=queued), then until the apiserver's answer arrived (stage=answered)",
+            m.apiserver_request_seconds.clone(),
         );
         #[cfg(feature = "jemalloc")]
         registry.register(
@@ -341,6 +348,15 @@ pub fn observe_callback_latency(stage: &str, seconds: f64) {
     metrics()
         .callback_latency_seconds
         .get_or_create(&labels(&[("stage", stage)]))
+        .observe(seconds);
+}
+
+/// One apiserver request of the manager's: `lane` is `urgent` or `ordinary`, `stage` is
+/// `queued` or `answered` (see the metric's help).
+pub fn observe_apiserver_request(lane: &'static str, stage: &'static str, seconds: f64) {
+    metrics()
+        .apiserver_request_seconds
+        .get_or_create(&labels(&[("lane", lane), ("stage", stage)]))
         .observe(seconds);
 }
 
