@@ -51,28 +51,116 @@ type Seen = BTreeMap<String, (Option<Instant>, Option<Instant>)>;
 /// returns): cumulative counts per upper bound in seconds. It holds no watch delay, unlike the
 /// benchmark's own view, which lags by seconds under a burst.
 async fn callback_stage_buckets(boot_url: &str, stage: &str) -> Vec<(f64, f64)> {
-    let stage = format!("stage=\"{stage}\"");
     let text = manager_metrics(boot_url).await;
-    let mut buckets: Vec<(f64, f64)> = text
-        .lines()
-        .filter_map(|line| line.strip_prefix("metalboot_callback_latency_seconds_bucket{"))
-        .filter(|rest| rest.contains(&stage))
-        .filter_map(|rest| {
-            let (labels, value) = rest.rsplit_once("} ")?;
-            let le = labels
-                .split(',')
-                .find_map(|kv| kv.strip_prefix("le=\""))?
-                .trim_end_matches('"');
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, value.trim().parse().ok()?))
-        })
-        .collect();
+    let stage = format!("stage=\"{stage}\"");
+    histogram_buckets(&text, "metalboot_callback_latency_seconds", &[&stage])
+}
+
+/// A Prometheus histogram's cumulative counts per upper bound in seconds, summed over the series
+/// of `metric` whose labels contain every one of `labels` (each written `name="value"`).
+fn histogram_buckets(text: &str, metric: &str, labels: &[&str]) -> Vec<(f64, f64)> {
+    let prefix = format!("{metric}_bucket{{");
+    let mut sums: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for rest in text.lines().filter_map(|line| line.strip_prefix(&prefix)) {
+        let Some((series, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        // Whole labels only: `subresource=""` must not match inside another label.
+        let parts: Vec<&str> = series.split(',').collect();
+        if !labels.iter().all(|l| parts.contains(l)) {
+            continue;
+        }
+        let Some(le) = parts
+            .iter()
+            .find_map(|kv| kv.strip_prefix("le=\""))
+            .map(|le| le.trim_end_matches('"'))
+        else {
+            continue;
+        };
+        let le = match le {
+            "+Inf" => f64::INFINITY,
+            le => match le.parse::<f64>() {
+                Ok(le) => le,
+                Err(_) => continue,
+            },
+        };
+        let Ok(count) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        sums.entry(le.to_bits()).or_insert((le, 0.0)).1 += count;
+    }
+    let mut buckets: Vec<(f64, f64)> = sums.into_values().collect();
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     buckets
+}
+
+/// The apiserver requests whose latency a callback waits on, as the manager saw them and as the
+/// apiserver itself measured them: (label for the output, histogram source, labels).
+const REQUEST_LATENCIES: [(&str, Source, &[&str]); 6] = [
+    (
+        "manager urgent, answer",
+        Source::Manager,
+        &["lane=\"urgent\"", "stage=\"answered\""],
+    ),
+    (
+        "manager ordinary, wait",
+        Source::Manager,
+        &["lane=\"ordinary\"", "stage=\"queued\""],
+    ),
+    (
+        "manager ordinary, answer",
+        Source::Manager,
+        &["lane=\"ordinary\"", "stage=\"answered\""],
+    ),
+    (
+        "apiserver PATCH secrets",
+        Source::Apiserver,
+        &["verb=\"PATCH\"", "resource=\"secrets\"", "subresource=\"\""],
+    ),
+    (
+        "apiserver PATCH metalmachines",
+        Source::Apiserver,
+        &[
+            "verb=\"PATCH\"",
+            "resource=\"metalmachines\"",
+            "subresource=\"\"",
+        ],
+    ),
+    (
+        "apiserver APPLY metalmachines/status",
+        Source::Apiserver,
+        &[
+            "verb=\"APPLY\"",
+            "resource=\"metalmachines\"",
+            "subresource=\"status\"",
+        ],
+    ),
+];
+
+#[derive(Clone, Copy)]
+enum Source {
+    Manager,
+    Apiserver,
+}
+
+/// The histograms of [`REQUEST_LATENCIES`], in its order.
+async fn request_latency_buckets(boot_url: &str, client: &kube::Client) -> Vec<Vec<(f64, f64)>> {
+    let manager = manager_metrics(boot_url).await;
+    let apiserver = match http::Request::get("/metrics").body(Vec::new()) {
+        Ok(req) => client.request_text(req).await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    REQUEST_LATENCIES
+        .iter()
+        .map(|(_, source, labels)| match source {
+            Source::Manager => {
+                histogram_buckets(&manager, "metalboot_apiserver_request_seconds", labels)
+            }
+            Source::Apiserver => {
+                histogram_buckets(&apiserver, "apiserver_request_duration_seconds", labels)
+            }
+        })
+        .collect()
 }
 
 /// The manager's metrics page (empty when it cannot be read).
@@ -579,6 +667,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
 
     // Provision.
     let before = after;
+    let requests_before = request_latency_buckets(&boot_url, &client).await;
     let mut stages_before = Vec::new();
     for stage in CALLBACK_STAGES {
         stages_before.push(callback_stage_buckets(&boot_url, stage).await);
@@ -700,6 +789,24 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         split.join(", "),
         labelled_counter(&boot_url, LANE_STALE).await,
         passes_between(&labelled_counter(&boot_url, PASSES).await, &passes_before)
+    );
+    let requests_after = request_latency_buckets(&boot_url, &client).await;
+    let requests: Vec<String> = REQUEST_LATENCIES
+        .iter()
+        .zip(requests_after.iter().zip(&requests_before))
+        .map(|((label, _, _), (after, before))| {
+            let count = |b: &[(f64, f64)]| b.last().map_or(0.0, |(_, c)| *c);
+            format!(
+                "{label} {:.0}/{:.0} ({:.0})",
+                bucket_quantile(after, before, 0.5),
+                bucket_quantile(after, before, 0.99),
+                count(after) - count(before)
+            )
+        })
+        .collect();
+    println!(
+        "N={n} provision: apiserver request p50/p99 ms: {}",
+        requests.join(", ")
     );
     println!(
         "N={n} provision: callback→ready p50/p99 {:.0}/{:.0} ms as the benchmark's watch saw it, {:.0}/{:.0} ms in the manager's histogram",
