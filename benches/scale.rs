@@ -94,8 +94,9 @@ fn histogram_buckets(text: &str, metric: &str, labels: &[&str]) -> Vec<(f64, f64
     buckets
 }
 
-/// The apiserver requests whose latency a callback waits on, as the manager saw them and as the
-/// apiserver itself measured them: (label for the output, histogram source, labels).
+/// Apiserver request latencies: the manager's per lane, and the apiserver's own for the three
+/// kinds of write a callback waits on (every such write, from both lanes):
+/// (label for the output, histogram source, labels).
 const REQUEST_LATENCIES: [(&str, Source, &[&str]); 6] = [
     (
         "manager urgent, answer",

@@ -73,8 +73,9 @@ pub struct ManagerArgs {
     /// callback waits on excepted); the rest queue in the manager, in order. 0: no bound.
     #[arg(long, env = "METALBOOT_API_REQUESTS_IN_FLIGHT", default_value_t = crate::kubeconn::gate::DEFAULT_IN_FLIGHT)]
     pub api_requests_in_flight: usize,
-    /// Of those, how many ordinary requests may start while a request a host's callback waits
-    /// on is in flight (at least 1; equal to the bound: no difference).
+    /// Of those, how many ordinary requests may be in flight while a request a host's callback
+    /// waits on is: a new one starts only when fewer are (at least 1; equal to the bound: no
+    /// difference).
     #[arg(long, env = "METALBOOT_API_REQUESTS_IN_FLIGHT_BESIDE_CALLBACKS", default_value_t = crate::kubeconn::gate::DEFAULT_BESIDE_URGENT)]
     pub api_requests_in_flight_beside_callbacks: usize,
     /// Connect to the cluster, report where, and exit (a quick check of credentials and network).

@@ -82,7 +82,7 @@ pub struct ManagerOptions {
     pub dhcp: Option<DhcpSettings>,
     /// Ordinary apiserver requests in flight at once (see `kubeconn::gate`; 0: no bound).
     pub api_requests_in_flight: usize,
-    /// Of those, how many may start while a callback's request is in flight.
+    /// Of those, how many may be in flight while a callback's request is.
     pub api_requests_in_flight_beside_callbacks: usize,
 }
 
