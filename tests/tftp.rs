@@ -309,13 +309,19 @@ async fn a_request_spoofed_from_a_clients_address_does_not_hold_that_client_off(
     let spoofed_at = std::time::Instant::now();
     support_wait(|| transfers.active() == 1).await;
     // The one packet the spoofed transfer sent has arrived; it sends nothing more unacknowledged.
+    // Read off the runtime's thread: the server sends DATA 1 on it (current-thread runtime), so a
+    // blocking read here would hold that send back until the read timed out.
     client
-        .set_read_timeout(Some(Duration::from_secs(2)))
+        .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    let mut buf = [0u8; 2048];
-    let (_, spoofed_tid) = client
-        .recv_from(&mut buf)
-        .expect("the spoofed transfer's DATA 1");
+    let (client, first) = tokio::task::spawn_blocking(move || {
+        let mut buf = [0u8; 2048];
+        let first = client.recv_from(&mut buf).map(|(_, from)| from);
+        (client, first)
+    })
+    .await
+    .expect("read task");
+    let spoofed_tid = first.expect("the spoofed transfer's DATA 1");
     // The client's own request, from the same ip:port, is served at once, byte for byte.
     let (fetched, strays) =
         tokio::task::spawn_blocking(move || fetch_on(&client, addr, "undionly.kpxe"))
