@@ -147,10 +147,7 @@ enum Source {
 /// The histograms of [`REQUEST_LATENCIES`], in its order.
 async fn request_latency_buckets(boot_url: &str, client: &kube::Client) -> Vec<Vec<(f64, f64)>> {
     let manager = manager_metrics(boot_url).await;
-    let apiserver = match http::Request::get("/metrics").body(Vec::new()) {
-        Ok(req) => client.request_text(req).await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
+    let apiserver = apiserver_metrics(client).await;
     REQUEST_LATENCIES
         .iter()
         .map(|(_, source, labels)| match source {
@@ -283,14 +280,18 @@ fn bucket_quantile(after: &[(f64, f64)], before: &[(f64, f64)], q: f64) -> f64 {
     f64::NAN
 }
 
+/// The apiserver's metrics page (empty when it cannot be read).
+async fn apiserver_metrics(client: &kube::Client) -> String {
+    match http::Request::get("/metrics").body(Vec::new()) {
+        Ok(req) => client.request_text(req).await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
 /// `apiserver_request_total` summed by verb and resource (a GET's resource tells which store a
 /// controller should read instead; a write's tells which controller to make write less).
 async fn apiserver_requests(client: &kube::Client) -> Verbs {
-    let req = match http::Request::get("/metrics").body(Vec::new()) {
-        Ok(r) => r,
-        Err(_) => return Verbs::new(),
-    };
-    let text = client.request_text(req).await.unwrap_or_default();
+    let text = apiserver_metrics(client).await;
     let mut verbs = Verbs::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {

@@ -351,13 +351,35 @@ pub fn observe_callback_latency(stage: &str, seconds: f64) {
         .observe(seconds);
 }
 
-/// One apiserver request of the manager's: `lane` is `urgent` or `ordinary`, `stage` is
-/// `queued` or `answered` (see the metric's help).
-pub fn observe_apiserver_request(lane: &'static str, stage: &'static str, seconds: f64) {
-    metrics()
-        .apiserver_request_seconds
-        .get_or_create(&labels(&[("lane", lane), ("stage", stage)]))
-        .observe(seconds);
+/// Which series of `metalboot_apiserver_request_seconds` an observation goes to.
+#[derive(Clone, Copy)]
+pub enum ApiserverRequestStage {
+    Queued = 0,
+    Answered = 1,
+}
+
+/// One apiserver request of the manager's, in the urgent or the ordinary lane (see the metric's
+/// help). Called for every request, so the four series are looked up once, not per call.
+pub fn observe_apiserver_request(urgent: bool, stage: ApiserverRequestStage, seconds: f64) {
+    static SERIES: OnceLock<[Histogram; 4]> = OnceLock::new();
+    let series = SERIES.get_or_init(|| {
+        let family = &metrics().apiserver_request_seconds;
+        let series = |lane, stage| {
+            family
+                .get_or_create(&labels(&[("lane", lane), ("stage", stage)]))
+                .clone()
+        };
+        [
+            series("urgent", "queued"),
+            series("urgent", "answered"),
+            series("ordinary", "queued"),
+            series("ordinary", "answered"),
+        ]
+    });
+    let index = 2 * usize::from(!urgent) + stage as usize;
+    if let Some(histogram) = series.get(index) {
+        histogram.observe(seconds);
+    }
 }
 
 pub fn observe_phase(phase: &str, seconds: f64) {

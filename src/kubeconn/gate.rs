@@ -244,20 +244,21 @@ impl tower::Service<http::Request<Body>> for Gated {
                 },
             };
             // Timed per lane, so a slow answer can be told from a long wait here.
-            let lane = counted.as_ref().map(|c| match c.urgent {
-                true => "urgent",
-                false => "ordinary",
-            });
+            use crate::metrics::{ApiserverRequestStage as Stage, observe_apiserver_request};
+            let urgent = counted.as_ref().map(|c| c.urgent);
             let sent = std::time::Instant::now();
-            if let Some(lane) = lane {
+            if let Some(urgent) = urgent {
                 let queued = sent.duration_since(arrived).as_secs_f64();
-                crate::metrics::observe_apiserver_request(lane, "queued", queued);
+                observe_apiserver_request(urgent, Stage::Queued, queued);
             }
             let response = async {
                 let answered = inner.send(request).await;
-                if let Some(lane) = lane {
-                    let took = sent.elapsed().as_secs_f64();
-                    crate::metrics::observe_apiserver_request(lane, "answered", took);
+                if let Some(urgent) = urgent {
+                    observe_apiserver_request(
+                        urgent,
+                        Stage::Answered,
+                        sent.elapsed().as_secs_f64(),
+                    );
                 }
                 answered
             };
