@@ -343,6 +343,44 @@ fn delta(after: &Verbs, before: &Verbs) -> String {
         .join(", ")
 }
 
+/// Requests the apiserver answered between two counts, watches aside (a watch is one request
+/// however long it streams).
+fn requests_in(after: &Verbs, before: &Verbs) -> f64 {
+    after
+        .iter()
+        .filter(|(verb, _)| !verb.starts_with("WATCH "))
+        .map(|(verb, v)| v - before.get(verb).copied().unwrap_or(0.0))
+        .sum()
+}
+
+/// What a phase cost per host and per apiserver request, and the rate of hosts the
+/// apiserver's CPU alone would allow if it had every core of the machine: the bound that
+/// phase ran against when the apiserver is the busiest process.
+fn cpu_per_request(
+    requests: f64,
+    apiserver_cpu: f64,
+    manager_cpu: f64,
+    n: u32,
+    seconds: f64,
+) -> String {
+    let hosts = f64::from(n.max(1));
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get()) as f64;
+    let apiserver_per_host = apiserver_cpu / hosts;
+    format!(
+        "{requests:.0} apiserver requests, watches aside ({:.1} per host); apiserver CPU {apiserver_cpu:.1} s \
+         ({:.2} ms per request, {:.0} ms per host, {:.0}% of {cores:.0} cores), manager CPU \
+         {manager_cpu:.1} s ({:.0} ms per host); the apiserver's CPU alone allows at most {:.1} \
+         hosts/s on {cores:.0} cores, {:.1} hosts/s were provisioned",
+        requests / hosts,
+        1000.0 * apiserver_cpu / requests.max(1.0),
+        1000.0 * apiserver_per_host,
+        100.0 * apiserver_cpu / (seconds.max(f64::EPSILON) * cores),
+        1000.0 * manager_cpu / hosts,
+        cores / apiserver_per_host.max(f64::EPSILON),
+        hosts / seconds.max(f64::EPSILON),
+    )
+}
+
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command (which may hold spaces): utime and stime are the 12th and 13th.
@@ -675,6 +713,7 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         stages_before.push(callback_stage_buckets(&boot_url, stage).await);
     }
     let passes_before = labelled_counter(&boot_url, PASSES).await;
+    let cpu_before = cpu();
     // SCALE_APISERVER_PROFILE=<file>: a CPU profile of the apiserver over the provisioning
     // burst (`go tool pprof -top <kube-apiserver> <file>` shows where its CPU goes).
     let profile = std::env::var_os("SCALE_APISERVER_PROFILE").map(|out| {
@@ -730,12 +769,23 @@ async fn run(n: u32, steady: Duration) -> Result<Row, String> {
         let _ = profile.await;
     }
     let after = apiserver_requests(&client).await;
+    let cpu_after = cpu();
     row.running_memory = memory(&boot_url, manager_pid).await;
     println!(
         "N={n} provision: {:.1}s (objects created in {created:.1}s); apiserver: {}; {}",
         row.provision,
         delta(&after, &before),
         row.running_memory
+    );
+    println!(
+        "N={n} provision: {}",
+        cpu_per_request(
+            requests_in(&after, &before),
+            cpu_after.1 - cpu_before.1,
+            cpu_after.0 - cpu_before.0,
+            n,
+            row.provision,
+        )
     );
 
     // Latencies: callback (fleet) → MetalMachine ready / Machine Provisioned (watches).
