@@ -333,10 +333,15 @@ async fn apiserver_profile(client: &kube::Client, seconds: u32) -> Result<Vec<u8
     Ok(body.to_bytes().to_vec())
 }
 
-fn delta(after: &Verbs, before: &Verbs) -> String {
+/// Each verb's count between two counts.
+fn deltas<'a>(after: &'a Verbs, before: &'a Verbs) -> impl Iterator<Item = (&'a String, f64)> {
     after
         .iter()
         .map(|(verb, v)| (verb, v - before.get(verb).copied().unwrap_or(0.0)))
+}
+
+fn delta(after: &Verbs, before: &Verbs) -> String {
+    deltas(after, before)
         .filter(|(_, d)| *d >= 1.0)
         .map(|(verb, d)| format!("{verb} {d:.0}"))
         .collect::<Vec<_>>()
@@ -346,10 +351,9 @@ fn delta(after: &Verbs, before: &Verbs) -> String {
 /// Requests the apiserver answered between two counts, watches aside (a watch is one request
 /// however long it streams).
 fn requests_in(after: &Verbs, before: &Verbs) -> f64 {
-    after
-        .iter()
+    deltas(after, before)
         .filter(|(verb, _)| !verb.starts_with("WATCH "))
-        .map(|(verb, v)| v - before.get(verb).copied().unwrap_or(0.0))
+        .map(|(_, d)| d)
         .sum()
 }
 
