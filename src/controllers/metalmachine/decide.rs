@@ -353,15 +353,12 @@ pub fn decide(o: &Observed, policy: &Policy) -> Decision {
     // Gate 1: a Machine owns this object.
     let machine = match &o.owner {
         OwnerObservation::Found(machine) => machine.clone(),
+        // Seed 004: without a Machine owner, exit the reconciliation, status untouched (as
+        // CAPD, CAPV and CAPK do). The Machine controller sets the owner within moments of the
+        // object's creation, so a "waiting for owner" status was one more write per machine
+        // (2.5 % of a provisioning's apiserver requests) that nobody read.
         OwnerObservation::NoOwner => {
-            let status = draft
-                .waiting(
-                    MetalMachinePhase::Pending,
-                    "WaitingForMachineOwner",
-                    "no Machine owns this MetalMachine yet".into(),
-                )
-                .done();
-            return Decision::new(status, Step::Nothing, Some(GATE_RESYNC));
+            return Decision::new(observed_status, Step::Nothing, Some(GATE_RESYNC));
         }
         OwnerObservation::Missing(name) => {
             let status = draft
@@ -1407,6 +1404,43 @@ mod tests {
             .unwrap_or_default()
     }
 
+    /// Seed 004: without a Machine owner the pass exits. A new MetalMachine gets no status
+    /// write, one with a status keeps it as it is, and once owned it gets its first status.
+    #[test]
+    fn no_owner_leaves_status_alone() {
+        use crate::controllers::metalmachine::changes_status;
+        let unowned = |status: Option<MetalMachineStatus>| {
+            with_mm(
+                Observed {
+                    owner: OwnerObservation::NoOwner,
+                    ..observed()
+                },
+                |mm| mm.status = status,
+            )
+        };
+        let new = unowned(None);
+        let d = decide(&new, &policy());
+        assert_eq!(d.step, Step::Nothing);
+        assert!(!changes_status(&new.mm, &d.status), "new: {:?}", d.status);
+
+        let shown = MetalMachineStatus {
+            phase: Some(MetalMachinePhase::Pending),
+            observed_generation: Some(7),
+            ..Default::default()
+        };
+        let earlier = unowned(Some(shown.clone()));
+        let d = decide(&earlier, &policy());
+        assert_eq!(d.status, shown);
+        assert!(!changes_status(&earlier.mm, &d.status));
+
+        let owned = with_mm(observed(), |mm| mm.status = None);
+        let d = decide(&owned, &policy());
+        assert!(
+            changes_status(&owned.mm, &d.status),
+            "owned: a first status"
+        );
+    }
+
     /// Seed 004, "normal resource", one row per gate in the seed's order, plus the boot steps.
     #[test]
     fn gates_in_seed_order() {
@@ -1461,12 +1495,12 @@ mod tests {
         };
         let rows: Vec<Row> = vec![
             (
-                "1. no Machine owner: wait",
+                "1. no Machine owner: exit, status untouched (no_owner_leaves_status_alone)",
                 Observed {
                     owner: OwnerObservation::NoOwner,
                     ..observed()
                 },
-                "WaitingForMachineOwner",
+                "",
                 Step::Nothing,
             ),
             (
