@@ -355,8 +355,8 @@ pub fn decide(o: &Observed, policy: &Policy) -> Decision {
         OwnerObservation::Found(machine) => machine.clone(),
         // Seed 004: without a Machine owner, exit the reconciliation, status untouched (as
         // CAPD, CAPV and CAPK do). The Machine controller sets the owner within moments of the
-        // object's creation, so a "waiting for owner" status was one more write per machine
-        // (2.5 % of a provisioning's apiserver requests) that nobody read.
+        // object's creation; a "waiting for owner" status in between was a write that the
+        // Machine then mirrored into its own (about 2 % of the requests at N=1,000).
         OwnerObservation::NoOwner => {
             return Decision::new(observed_status, Step::Nothing, Some(GATE_RESYNC));
         }
