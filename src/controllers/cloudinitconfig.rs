@@ -403,7 +403,7 @@ async fn reconcile(
         cfg.metadata.generation,
         &now,
     );
-    if Some(&status) != cfg.status.as_ref() {
+    if super::status_changes(cfg.status.as_ref(), &status) {
         let written = apply_status(&api, &name, FIELD_MANAGER, &status).await?;
         ctx.expectations
             .wrote(config_key, cfg.resource_version(), written);

@@ -138,7 +138,7 @@ async fn reconcile(
         is_paused(mc.as_ref(), cluster.as_ref()),
         &conditions::now(),
     );
-    if Some(&status) != mc.status.as_ref() {
+    if super::status_changes(mc.status.as_ref(), &status) {
         let api: Api<MetalCluster> = Api::namespaced(ctx.client.clone(), &namespace);
         apply_status(&api, &mc.name_any(), FIELD_MANAGER, &status).await?;
     }

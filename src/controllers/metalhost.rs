@@ -417,7 +417,7 @@ pub async fn write_status(
     host: &MetalHost,
     status: &MetalHostStatus,
 ) -> Result<(), ReconcileError> {
-    if host.status.as_ref() == Some(status) {
+    if !super::status_changes(host.status.as_ref(), status) {
         return Ok(());
     }
     let written = super::apply_status(api, &host.name_any(), FIELD_MANAGER, status).await?;

@@ -303,6 +303,16 @@ pub fn key<K: Resource>(obj: &K) -> String {
 /// Writes `status` with server-side apply under the controller's own field manager (forced:
 /// this controller is the only writer of these fields, and a conflict must not hot-loop).
 /// Returns the written object's resourceVersion.
+/// Whether applying `decided` would change the status an object shows (`shown`). An empty status
+/// where there is none is no change: a pass that exits before deciding anything writes nothing.
+/// Every controller asks this before its status apply.
+pub fn status_changes<S: Default + PartialEq>(shown: Option<&S>, decided: &S) -> bool {
+    match shown {
+        Some(shown) => shown != decided,
+        None => *decided != S::default(),
+    }
+}
+
 pub async fn apply_status<K, S>(
     api: &Api<K>,
     name: &str,
@@ -432,6 +442,22 @@ pub(crate) fn future_size<A, B, F>(_: fn(A, B) -> F) -> usize {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_empty_status_where_there_is_none_is_no_change() {
+        #[derive(Default, PartialEq)]
+        struct S(Option<&'static str>);
+        assert!(
+            !status_changes(None, &S::default()),
+            "nothing decided, nothing shown"
+        );
+        assert!(status_changes(None, &S(Some("Ready"))), "a first status");
+        assert!(!status_changes(Some(&S(Some("Ready"))), &S(Some("Ready"))));
+        assert!(
+            status_changes(Some(&S(Some("Ready"))), &S::default()),
+            "emptied"
+        );
+    }
+
     use super::*;
 
     /// A pass waits for every shared store's first list: until the last one lists, "not found"

@@ -1408,7 +1408,9 @@ mod tests {
     /// write, one with a status keeps it as it is, and once owned it gets its first status.
     #[test]
     fn no_owner_leaves_status_alone() {
-        use crate::controllers::metalmachine::changes_status;
+        use crate::controllers::status_changes;
+        let changes_status =
+            |mm: &MetalMachine, s: &MetalMachineStatus| status_changes(mm.status.as_ref(), s);
         let unowned = |status: Option<MetalMachineStatus>| {
             with_mm(
                 Observed {

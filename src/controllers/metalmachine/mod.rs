@@ -396,7 +396,7 @@ async fn write_status(
     mm: &MetalMachine,
     status: &MetalMachineStatus,
 ) -> Result<(), ReconcileError> {
-    if !changes_status(mm, status) {
+    if !super::status_changes(mm.status.as_ref(), status) {
         return Ok(());
     }
     let namespace = mm.namespace().unwrap_or_default();
@@ -409,15 +409,6 @@ async fn write_status(
     );
     keep_answer(ctx, written);
     Ok(())
-}
-
-/// Whether writing `decided` would change what `mm` shows. An empty status where there is none
-/// is no change: a pass that exits before deciding anything (no Machine owner yet) writes nothing.
-fn changes_status(mm: &MetalMachine, decided: &MetalMachineStatus) -> bool {
-    match &mm.status {
-        Some(shown) => shown != decided,
-        None => *decided != MetalMachineStatus::default(),
-    }
 }
 
 /// `status`, decided from generation `from`, stamped with `to`: the generation this pass's own
