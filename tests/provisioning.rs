@@ -22,6 +22,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use metalboot::api::capi::Machine;
 use metalboot::api::metalhost::{HostState, PowerState};
+use metalboot::api::metalmachine::MetalMachinePhase;
 use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::bmc::{Bmc, BootDevice};
 use metalboot::manager::RunningManager;
@@ -31,6 +32,7 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     let lab = lab("provision", 1).await;
     lab.host(0).await;
     let (_, bootstrap) = lab.machine("m1", None, None).await;
+    let (versions, recorder) = record_versions::<MetalMachine>(&lab);
     let manager = lab.manager().await;
     let bmc = lab.bmc(0);
 
@@ -127,6 +129,31 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         status.addresses
     );
     assert_eq!(condition(&mm, "Ready").map(|c| c.0), Some("True".into()));
+    // Neither the finalizer nor a claim that succeeds is announced by a status write of its
+    // own (one round trip long each, and mirrored by the Machine): every status written says
+    // a phase, and "claiming" is never one of them (a wait for a free host still is).
+    recorder.abort();
+    let statuses: Vec<_> = versions
+        .lock()
+        .map(|v| v.iter().filter_map(|m| m.status.clone()).collect())
+        .unwrap_or_default();
+    assert!(
+        statuses
+            .iter()
+            .any(|s| s.phase == Some(MetalMachinePhase::Provisioning)),
+        "the watch saw the provisioning: {statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| s.phase.is_some()),
+        "a status with no phase was written: {statuses:?}"
+    );
+    assert!(
+        !statuses.iter().any(|s| s
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "HostAssociated" && c.reason == "Claiming")),
+        "a free host is claimed without a Claiming status: {statuses:?}"
+    );
     // The host controller derives the host's state from its consumer's ready status, in its own
     // pass after the MetalMachine's: the two writes are not ordered.
     support::eventually("host-0 shown Provisioned", 60, || async {

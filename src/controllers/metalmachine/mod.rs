@@ -491,16 +491,21 @@ fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
     }
 }
 
-/// Passes that write no status. After `RemoveFinalizer` the object is going. After `Mint` the
-/// power-on pass follows at once and writes the status it leads to (hostRef and all): the
-/// "minting a token" status would be current for one round trip and cost the apiserver a status
-/// apply per machine for it. A power-on that fails still writes its fault with the full status;
-/// one that meets a conflict or an apiserver error leaves the Claiming status until a pass
-/// gets through.
+/// Passes that write no status when their step succeeds. After `RemoveFinalizer` the object is
+/// going. After `AddFinalizer`, `Claim` and `Mint` the next passes follow at once (each step's
+/// watch event or answer wakes the next) and the first pass that has something to say writes
+/// the status they lead to (the power-on's, hostRef and all, or a wait's): a status of just an
+/// observedGeneration, "claiming" or "minting a token" would be current for one round trip and
+/// cost the apiserver a MetalMachine status apply per machine, and the Machine's mirror of its
+/// message another. A step that fails still writes its fault with the full status; one that
+/// meets a conflict or an apiserver error leaves the status before it until a pass gets through.
 fn leaves_status_to_next_pass(step: &decide::Step) -> bool {
     matches!(
         step,
-        decide::Step::RemoveFinalizer | decide::Step::Mint { .. }
+        decide::Step::AddFinalizer
+            | decide::Step::RemoveFinalizer
+            | decide::Step::Claim { .. }
+            | decide::Step::Mint { .. }
     )
 }
 
