@@ -1102,6 +1102,47 @@ async fn a_paused_cluster_holds_machine_deletion() {
     let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
 }
 
+/// Machine passes that find the kubeconfig due for a recheck at the same moment read it once
+/// between them, not once each: a counting layer on the management client sees every GET.
+#[tokio::test]
+async fn passes_at_once_read_a_due_kubeconfig_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let env = env("machine-herd", true).await;
+    let reads = Arc::new(AtomicUsize::new(0));
+    let counter = reads.clone();
+    let count_kubeconfig_reads =
+        tower::util::MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
+            if request.method() == http::Method::GET
+                && request.uri().path().ends_with("/secrets/c1-kubeconfig")
+            {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+            request
+        });
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(support::control_plane().kubeconfig_path.as_path())
+            .expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .expect("config");
+    let client = kube::client::ClientBuilder::try_from(config)
+        .expect("client builder")
+        .with_layer(&count_kubeconfig_reads)
+        .build();
+    let workloads = metalboot::controllers::machine::Workloads::default()
+        .rechecking_every(std::time::Duration::from_secs(600));
+    let passes = (0..32).map(|_| workloads.get(&client, &env.ns.name, "c1"));
+    for answer in futures::future::join_all(passes).await {
+        assert!(answer.is_ok(), "workload cluster");
+    }
+    assert_eq!(
+        reads.load(Ordering::SeqCst),
+        1,
+        "32 passes at once, one kubeconfig read"
+    );
+    workloads.forget(&env.ns.name, "c1");
+}
+
 /// A rotated workload kubeconfig replaces the cluster's Node watch: the old one stops.
 #[tokio::test]
 async fn a_rotated_kubeconfig_stops_the_old_node_watch() {
