@@ -1102,18 +1102,21 @@ async fn a_paused_cluster_holds_machine_deletion() {
     let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
 }
 
-/// Machine passes that find the kubeconfig due for a recheck at the same moment read it once
-/// between them, not once each: a counting layer on the management client sees every GET.
+/// Machine passes that need the kubeconfig at the same moment read it once between them, not
+/// once each: on a cold start, when the recheck comes due, and when the read fails (the passes
+/// queued behind a failed read take its answer). A counting layer on the management client sees
+/// every GET of the Secret.
 #[tokio::test]
-async fn passes_at_once_read_a_due_kubeconfig_once() {
+async fn passes_at_once_read_the_kubeconfig_once() {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
     let env = env("machine-herd", true).await;
     let reads = Arc::new(AtomicUsize::new(0));
     let counter = reads.clone();
     let count_kubeconfig_reads =
         tower::util::MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
             if request.method() == http::Method::GET
-                && request.uri().path().ends_with("/secrets/c1-kubeconfig")
+                && request.uri().path().ends_with("-kubeconfig")
             {
                 counter.fetch_add(1, Ordering::SeqCst);
             }
@@ -1129,17 +1132,31 @@ async fn passes_at_once_read_a_due_kubeconfig_once() {
         .expect("client builder")
         .with_layer(&count_kubeconfig_reads)
         .build();
-    let workloads = metalboot::controllers::machine::Workloads::default()
-        .rechecking_every(std::time::Duration::from_secs(600));
-    let passes = (0..32).map(|_| workloads.get(&client, &env.ns.name, "c1"));
-    for answer in futures::future::join_all(passes).await {
-        assert!(answer.is_ok(), "workload cluster");
-    }
-    assert_eq!(
-        reads.load(Ordering::SeqCst),
-        1,
-        "32 passes at once, one kubeconfig read"
+    let recheck = Duration::from_millis(300);
+    let workloads = metalboot::controllers::machine::Workloads::default().rechecking_every(recheck);
+    let at_once = |cluster: &'static str| {
+        let (workloads, client, ns) = (&workloads, &client, &env.ns.name);
+        futures::future::join_all((0..32).map(move |_| workloads.get(client, ns, cluster)))
+    };
+
+    let cold = at_once("c1").await;
+    assert!(cold.iter().all(Result::is_ok), "workload cluster");
+    assert_eq!(reads.swap(0, Ordering::SeqCst), 1, "cold: one read");
+
+    // What the cache holds is now older than the recheck interval: every pass finds it due.
+    tokio::time::sleep(recheck + Duration::from_millis(100)).await;
+    let due = at_once("c1").await;
+    assert!(due.iter().all(Result::is_ok), "workload cluster");
+    assert_eq!(reads.swap(0, Ordering::SeqCst), 1, "due: one read");
+
+    let missing = at_once("no-such-cluster").await;
+    assert!(
+        missing
+            .iter()
+            .all(|answer| matches!(answer, Err(("KubeconfigMissing", _)))),
+        "every pass is told the kubeconfig is missing"
     );
+    assert_eq!(reads.swap(0, Ordering::SeqCst), 1, "failed: one read");
     workloads.forget(&env.ns.name, "c1");
 }
 

@@ -1,5 +1,7 @@
 //! One client and one Node watch per workload cluster, shared by its Machines. A rotated
-//! kubeconfig replaces the entry and stops the old watch; a deleted Cluster's entry is dropped.
+//! kubeconfig replaces the entry and stops the old watch. A deleted Cluster's entry stays until
+//! the manager restarts: nothing calls `forget` for it yet (one client and watch per workload
+//! cluster this manager has served).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +19,9 @@ use tokio::task::JoinHandle;
 
 /// Why the workload cluster cannot be read: a condition reason and message.
 pub type Unavailable = (&'static str, String);
+
+/// A cluster's turn to read its kubeconfig, with the last read's failure and when it came.
+type ReadSlot = Arc<tokio::sync::Mutex<Option<(Instant, Unavailable)>>>;
 
 struct Workload {
     /// The kubeconfig Secret's resourceVersion this entry was built from.
@@ -169,7 +174,9 @@ pub struct Workloads {
     /// One kubeconfig read per cluster at a time: when the recheck comes due, every Machine pass
     /// of that cluster in flight (up to the controller's bound) would otherwise read it at once.
     /// At N=1,000 that was about 400 GETs of one Secret where 20 were due.
-    reading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The slot also keeps the last read's failure, so the passes that queued behind a read
+    /// that failed take its answer instead of each asking again in turn.
+    reading: Mutex<HashMap<String, ReadSlot>>,
 }
 
 /// Held by a watch task for as long as it runs.
@@ -231,29 +238,60 @@ impl Workloads {
         cluster: &str,
     ) -> Result<(kube::Client, NodesByProviderId), Unavailable> {
         let cache_key = format!("{namespace}/{cluster}");
-        let cached = || {
-            self.clusters.lock().ok().and_then(|map| {
-                map.get(&cache_key)
-                    .filter(|w| w.checked.elapsed() < self.recheck)
-                    .map(Workload::handles)
-            })
-        };
-        if let Some(handles) = cached() {
+        if let Some(handles) = self.cached(&cache_key) {
             return handles.listed(cluster).await;
         }
-        let reading = self
+        let slot = self
             .reading
             .lock()
             .ok()
             .map(|mut map| map.entry(cache_key.clone()).or_default().clone());
-        let _turn = match &reading {
-            Some(lock) => Some(lock.lock().await),
-            None => None,
+        let handles = match &slot {
+            Some(slot) => {
+                let arrived = Instant::now();
+                let mut last_failure = slot.lock().await;
+                match (self.cached(&cache_key), last_failure.as_ref()) {
+                    // The pass that held the turn has just read it.
+                    (Some(handles), _) => Ok(handles),
+                    // Or failed to, since this pass came: its answer is this pass's too.
+                    (None, Some((failed_at, why))) if *failed_at >= arrived => Err(why.clone()),
+                    (None, _) => {
+                        let read = self.read(client, namespace, cluster, &cache_key).await;
+                        *last_failure =
+                            read.as_ref().err().map(|why| (Instant::now(), why.clone()));
+                        read
+                    }
+                }
+            }
+            None => self.read(client, namespace, cluster, &cache_key).await,
         };
-        // The pass that held the turn may have just read it.
-        if let Some(handles) = cached() {
-            return handles.listed(cluster).await;
+        // The last pass out forgets the slot: no entry per cluster name ever looked up.
+        if let (Some(slot), Ok(mut map)) = (slot, self.reading.lock())
+            && Arc::strong_count(&slot) == 2
+        {
+            map.remove(&cache_key);
         }
+        handles?.listed(cluster).await
+    }
+
+    /// The cached workload, if its kubeconfig was read within the recheck interval.
+    fn cached(&self, cache_key: &str) -> Option<Handles> {
+        self.clusters.lock().ok().and_then(|map| {
+            map.get(cache_key)
+                .filter(|w| w.checked.elapsed() < self.recheck)
+                .map(Workload::handles)
+        })
+    }
+
+    /// Reads the kubeconfig Secret: the cached workload when its version is unchanged, else a
+    /// new client and Node watch in its place. One pass per cluster at a time (see `reading`).
+    async fn read(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        cluster: &str,
+        cache_key: &str,
+    ) -> Result<Handles, Unavailable> {
         let secret_name = format!("{cluster}-kubeconfig");
         let secret = Api::<Secret>::namespaced(client.clone(), namespace)
             .get_opt(&secret_name)
@@ -270,7 +308,7 @@ impl Workloads {
             ))?;
         let version = secret.resource_version().unwrap_or_default();
         let unchanged = self.clusters.lock().ok().and_then(|mut map| {
-            map.get_mut(&cache_key)
+            map.get_mut(cache_key)
                 .filter(|w| w.version == version)
                 .map(|w| {
                     w.checked = Instant::now();
@@ -278,7 +316,7 @@ impl Workloads {
                 })
         });
         if let Some(handles) = unchanged {
-            return handles.listed(cluster).await;
+            return Ok(handles);
         }
         let invalid = |m: String| ("KubeconfigInvalid", format!("Secret {secret_name}: {m}"));
         let value = secret
@@ -335,12 +373,12 @@ impl Workloads {
             list_deadline: Instant::now() + LIST_WAIT,
             watch,
         };
+        let handles = entry.handles();
         // Inserting drops (and so stops) the watch of the kubeconfig this one replaces.
         if let Ok(mut map) = self.clusters.lock() {
-            map.insert(cache_key, entry);
+            map.insert(cache_key.to_string(), entry);
         }
-        listed(&store, Instant::now() + LIST_WAIT, cluster).await?;
-        Ok((workload, nodes))
+        Ok(handles)
     }
 }
 

@@ -497,16 +497,19 @@ fn record_callback_latency(o: &Observed, mm: &MetalMachine) {
 /// the status they lead to (the power-on's, hostRef and all, or a wait's): a status of just an
 /// observedGeneration, "claiming" or "minting a token" would be current for one round trip and
 /// cost the apiserver a MetalMachine status apply per machine, and the Machine's mirror of its
-/// message another. A step that fails still writes its fault with the full status; one that
-/// meets a conflict or an apiserver error leaves the status before it until a pass gets through.
-fn leaves_status_to_next_pass(step: &decide::Step) -> bool {
-    matches!(
-        step,
-        decide::Step::AddFinalizer
-            | decide::Step::RemoveFinalizer
-            | decide::Step::Claim { .. }
-            | decide::Step::Mint { .. }
-    )
+/// message another. Except a claim by a machine whose status says it found no host: that status
+/// keeps it in the index of machines a freed host wakes, so the claim replaces it at once.
+/// A power-on or mint that fails with a fault still writes it with the full status; any step
+/// that meets a conflict or an apiserver error leaves the status before it until a pass gets
+/// through (the error goes to the controller's log and backoff).
+fn leaves_status_to_next_pass(step: &decide::Step, shown: &MetalMachine) -> bool {
+    match step {
+        decide::Step::Claim { .. } => waiting_index_keys(shown).is_empty(),
+        decide::Step::AddFinalizer | decide::Step::RemoveFinalizer | decide::Step::Mint { .. } => {
+            true
+        }
+        _ => false,
+    }
 }
 
 async fn reconcile(
@@ -611,7 +614,7 @@ async fn pass_noting(
     let acting = async {
         let acted = act::act(ctx, &observed, &step).await;
         let written = match &acted {
-            Ok(acted) if !leaves_status_to_next_pass(&step) => {
+            Ok(acted) if !leaves_status_to_next_pass(&step, &mm) => {
                 let status = match acted.generation {
                     Some(generation) => {
                         restamped(status.clone(), mm.metadata.generation, generation)
@@ -1046,6 +1049,49 @@ mod tests {
 
     /// A host wakes waiting machines when it becomes claimable, not on every change while it
     /// stays so, and only machines whose status says they found no host.
+    #[test]
+    fn a_claim_writes_its_status_only_over_a_wait_for_a_host() {
+        let machine = |reason: Option<&str>| {
+            let mut m = MetalMachine::new("m1", Default::default());
+            m.metadata.namespace = Some("ns".into());
+            m.status = reason.map(|reason| MetalMachineStatus {
+                conditions: vec![Condition {
+                    type_: HOST_ASSOCIATED.into(),
+                    status: "False".into(),
+                    reason: reason.into(),
+                    message: String::new(),
+                    observed_generation: None,
+                    last_transition_time: conditions::now(),
+                }],
+                ..Default::default()
+            });
+            m
+        };
+        let claim = decide::Step::Claim {
+            host: "h1".into(),
+            resource_version: "7".into(),
+        };
+        assert!(
+            leaves_status_to_next_pass(&claim, &machine(None)),
+            "a new machine claims without a status of its own"
+        );
+        for waited in ["NoHostAvailable", "NoHostInFailureDomain"] {
+            assert!(
+                !leaves_status_to_next_pass(&claim, &machine(Some(waited))),
+                "{waited}: the claim replaces the wait at once"
+            );
+        }
+        assert!(leaves_status_to_next_pass(
+            &decide::Step::AddFinalizer,
+            &machine(None)
+        ));
+        let power_on = decide::Step::PowerOn {
+            host: "h1".into(),
+            attempt: 1,
+        };
+        assert!(!leaves_status_to_next_pass(&power_on, &machine(None)));
+    }
+
     #[test]
     fn a_freed_host_wakes_only_machines_that_found_none() {
         use crate::api::metalhost::{ConsumerReference, HostState, MetalHostStatus};
