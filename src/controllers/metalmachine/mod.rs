@@ -1047,26 +1047,28 @@ mod tests {
         assert!(!after.priority().is_raised(), "no callback waits any more");
     }
 
-    /// A host wakes waiting machines when it becomes claimable, not on every change while it
-    /// stays so, and only machines whose status says they found no host.
+    /// A MetalMachine of namespace `ns` whose status (if `reason`) is only a HostAssociated
+    /// condition, False for `reason`.
+    fn machine_with_host_associated(name: &str, reason: Option<&str>) -> MetalMachine {
+        let mut m = MetalMachine::new(name, Default::default());
+        m.metadata.namespace = Some("ns".into());
+        m.status = reason.map(|reason| MetalMachineStatus {
+            conditions: vec![Condition {
+                type_: HOST_ASSOCIATED.into(),
+                status: "False".into(),
+                reason: reason.into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: conditions::now(),
+            }],
+            ..Default::default()
+        });
+        m
+    }
+
     #[test]
     fn a_claim_writes_its_status_only_over_a_wait_for_a_host() {
-        let machine = |reason: Option<&str>| {
-            let mut m = MetalMachine::new("m1", Default::default());
-            m.metadata.namespace = Some("ns".into());
-            m.status = reason.map(|reason| MetalMachineStatus {
-                conditions: vec![Condition {
-                    type_: HOST_ASSOCIATED.into(),
-                    status: "False".into(),
-                    reason: reason.into(),
-                    message: String::new(),
-                    observed_generation: None,
-                    last_transition_time: conditions::now(),
-                }],
-                ..Default::default()
-            });
-            m
-        };
+        let machine = |reason: Option<&str>| machine_with_host_associated("m1", reason);
         let claim = decide::Step::Claim {
             host: "h1".into(),
             resource_version: "7".into(),
@@ -1092,6 +1094,8 @@ mod tests {
         assert!(!leaves_status_to_next_pass(&power_on, &machine(None)));
     }
 
+    /// A host wakes waiting machines when it becomes claimable, not on every change while it
+    /// stays so, and only machines whose status says they found no host.
     #[test]
     fn a_freed_host_wakes_only_machines_that_found_none() {
         use crate::api::metalhost::{ConsumerReference, HostState, MetalHostStatus};
@@ -1119,22 +1123,7 @@ mod tests {
         );
         assert!(!freed.newly_free(&host), "same labels: nothing new");
 
-        let machine = |name: &str, reason: Option<&str>| {
-            let mut m = MetalMachine::new(name, Default::default());
-            m.metadata.namespace = Some("ns".into());
-            m.status = reason.map(|reason| MetalMachineStatus {
-                conditions: vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
-                    type_: HOST_ASSOCIATED.into(),
-                    status: "False".into(),
-                    reason: reason.into(),
-                    message: String::new(),
-                    observed_generation: None,
-                    last_transition_time: conditions::now(),
-                }],
-                ..Default::default()
-            });
-            m
-        };
+        let machine = machine_with_host_associated;
         let (store, mut writer) = kube::runtime::reflector::store::<MetalMachine>();
         let mut deleting = machine("deleting", Some("NoHostAvailable"));
         deleting.metadata.deletion_timestamp = Some(
