@@ -134,35 +134,28 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
     // a phase, and "claiming" is one only right after a wait for a free host (host-0 may not be
     // Available yet at the first pass), whose claim must replace it at once.
     recorder.abort();
-    let statuses: Vec<_> = versions
+    let written: Vec<MetalMachine> = versions
         .lock()
-        .map(|v| v.iter().filter_map(|m| m.status.clone()).collect())
+        .map(|v| v.iter().filter(|m| m.status.is_some()).cloned().collect())
         .unwrap_or_default();
+    let statuses: Vec<_> = written.iter().map(|m| m.status.clone()).collect();
+    let phases: Vec<_> = statuses.iter().flatten().map(|s| s.phase).collect();
     assert!(
-        statuses
-            .iter()
-            .any(|s| s.phase == Some(MetalMachinePhase::Provisioning)),
+        phases.contains(&Some(MetalMachinePhase::Provisioning)),
         "the watch saw the provisioning: {statuses:?}"
     );
     assert!(
-        statuses.iter().all(|s| s.phase.is_some()),
+        phases.iter().all(Option::is_some),
         "a status with no phase was written: {statuses:?}"
     );
-    let host_associated = |s: &metalboot::api::metalmachine::MetalMachineStatus| {
-        s.conditions
-            .iter()
-            .find(|c| c.type_ == "HostAssociated")
-            .map(|c| c.reason.clone())
-            .unwrap_or_default()
-    };
-    for (i, status) in statuses.iter().enumerate() {
-        if host_associated(status) == "Claiming" {
-            let before = i
-                .checked_sub(1)
-                .map(|j| host_associated(&statuses[j]))
-                .unwrap_or_default();
+    let host_associated: Vec<_> = written
+        .iter()
+        .map(|m| condition(m, "HostAssociated").map(|(_, reason, _)| reason))
+        .collect();
+    for (i, reason) in host_associated.iter().enumerate() {
+        if reason.as_deref() == Some("Claiming") {
             assert!(
-                before == "NoHostAvailable",
+                i > 0 && host_associated[i - 1].as_deref() == Some("NoHostAvailable"),
                 "a Claiming status only replaces a wait for a host: {statuses:?}"
             );
         }
