@@ -331,16 +331,18 @@ pub async fn start(
                 triggers.follow_deletions(configs);
             }
             let listener = triggers.clone();
+            let workloads = Arc::new(
+                machine::Workloads::with_listener(Arc::new(move |node| {
+                    listener.node_changed(node)
+                }))
+                .rechecking_every(machine::KUBECONFIG_RECHECK),
+            );
+            workloads.follow_clusters(&reflectors.clusters);
             let machine_ctx = Arc::new(machine::MachineContext {
                 client: client.clone(),
                 events: Events::new(client.clone(), "metalboot-machine"),
                 backoff: Backoff::default(),
-                workloads: Arc::new(
-                    machine::Workloads::with_listener(Arc::new(move |node| {
-                        listener.node_changed(node)
-                    }))
-                    .rechecking_every(machine::KUBECONFIG_RECHECK),
-                ),
+                workloads,
                 watch_filter: watch_filter.clone(),
                 clusters: stores.clusters.clone(),
                 triggers,

@@ -102,9 +102,14 @@ async fn workload_kubeconfig(ns: &TestNamespace, file: &std::path::Path) {
 }
 
 async fn set_kubeconfig_value(ns: &TestNamespace, value: Vec<u8>) {
+    set_cluster_kubeconfig(ns, "c1", value).await;
+}
+
+async fn set_cluster_kubeconfig(ns: &TestNamespace, cluster: &str, value: Vec<u8>) {
+    let name = format!("{cluster}-kubeconfig");
     let secret = Secret {
         metadata: kube::api::ObjectMeta {
-            name: Some("c1-kubeconfig".into()),
+            name: Some(name.clone()),
             ..Default::default()
         },
         data: Some(BTreeMap::from([("value".to_string(), ByteString(value))])),
@@ -112,7 +117,7 @@ async fn set_kubeconfig_value(ns: &TestNamespace, value: Vec<u8>) {
     };
     Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
         .patch(
-            "c1-kubeconfig",
+            &name,
             &PatchParams::apply("metalboot-test").force(),
             &Patch::Apply(&secret),
         )
@@ -1190,4 +1195,66 @@ async fn a_rotated_kubeconfig_stops_the_old_node_watch() {
         (workloads.live_watches() == 0).then_some(())
     })
     .await;
+}
+
+/// A deleted Cluster's workload goes with it: its Node watch stops, as does the watch of a
+/// workload whose Cluster was gone when the Cluster store listed (a restarted watch sends no
+/// deletion for it). Without this, each watch retries a gone apiserver while the manager runs.
+#[tokio::test]
+async fn a_deleted_cluster_stops_its_node_watch() {
+    use kube::core::DeserializeGuard;
+    use metalboot::api::Cluster;
+    let ns = support::namespace("machine-forget").await;
+    support::boot::install_crds(&ns.client).await;
+    let clusters: Api<Cluster> = Api::namespaced(ns.client.clone(), &ns.name);
+    let value =
+        std::fs::read(support::control_plane().kubeconfig_path.as_path()).expect("kubeconfig");
+    for name in ["kept", "deleted"] {
+        clusters
+            .create(
+                &PostParams::default(),
+                &Cluster::new(name, Default::default()),
+            )
+            .await
+            .expect("Cluster");
+    }
+    // `orphan` has a kubeconfig and no Cluster: as if the Cluster went while the watch was down.
+    for name in ["kept", "deleted", "orphan"] {
+        set_cluster_kubeconfig(&ns, name, value.clone()).await;
+    }
+    let workloads = Arc::new(metalboot::controllers::machine::Workloads::default());
+    let shared = metalboot::stores::SharedStore::<DeserializeGuard<Cluster>>::new();
+    workloads.follow_clusters(&shared);
+    for name in ["kept", "deleted", "orphan"] {
+        workloads
+            .get(&ns.client, &ns.name, name)
+            .await
+            .expect("workload cluster");
+    }
+    assert_eq!(workloads.live_watches(), 3);
+    let key = |name: &str| format!("{}/{name}", ns.name);
+
+    shared.run(
+        Api::namespaced(ns.client.clone(), &ns.name),
+        watcher::Config::default(),
+    );
+    eventually(
+        "the orphan forgotten once the Clusters are listed",
+        30,
+        || async {
+            (workloads.held() == vec![key("deleted"), key("kept")] && workloads.live_watches() == 2)
+                .then_some(())
+        },
+    )
+    .await;
+
+    clusters
+        .delete("deleted", &DeleteParams::default())
+        .await
+        .expect("delete Cluster");
+    eventually("the deleted Cluster's watch stopped", 30, || async {
+        (workloads.held() == vec![key("kept")] && workloads.live_watches() == 1).then_some(())
+    })
+    .await;
+    workloads.forget(&ns.name, "kept");
 }

@@ -1,7 +1,7 @@
 //! One client and one Node watch per workload cluster, shared by its Machines. A rotated
-//! kubeconfig replaces the entry and stops the old watch. A deleted Cluster's entry stays until
-//! the manager restarts: nothing calls `forget` for it yet (one client and watch per workload
-//! cluster this manager has served).
+//! kubeconfig replaces the entry and stops the old watch. A deleted Cluster's entry goes with it
+//! ([`Workloads::follow_clusters`]): its watch would otherwise retry a gone apiserver for as long
+//! as the manager runs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +16,15 @@ use kube::api::Api;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinHandle;
+
+/// The cache key of a Cluster's workload: `namespace/name`, as [`Workloads::get`] builds it.
+fn cluster_key(meta: &ObjectMeta) -> String {
+    format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default()
+    )
+}
 
 /// Why the workload cluster cannot be read: a condition reason and message.
 pub type Unavailable = (&'static str, String);
@@ -221,13 +230,71 @@ impl Workloads {
 
     /// Stops the watch of a cluster that is gone.
     pub fn forget(&self, namespace: &str, cluster: &str) {
-        let key = format!("{namespace}/{cluster}");
+        self.forget_key(&format!("{namespace}/{cluster}"));
+    }
+
+    /// Forgets each workload whose Cluster the shared Cluster store deletes, and, when that
+    /// store has listed (again), each whose Cluster it does not hold: a watch that restarts
+    /// sends no deletion for what went while it was down. Subscribe before the store runs.
+    pub fn follow_clusters<K>(self: &Arc<Self>, clusters: &crate::stores::SharedStore<K>)
+    where
+        K: kube::Resource<DynamicType = ()>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + Sync
+            + 'static,
+    {
+        let workloads = Arc::downgrade(self);
+        let store = clusters.store.clone();
+        let mut events = clusters.subscribe_events(|c: &K| cluster_key(kube::Resource::meta(c)));
+        tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                let Some(workloads) = workloads.upgrade() else {
+                    return;
+                };
+                match event {
+                    watcher::Event::Delete(key) => workloads.forget_key(&key),
+                    watcher::Event::InitDone => {
+                        let listed: std::collections::HashSet<String> = store
+                            .state()
+                            .iter()
+                            .map(|c| cluster_key(kube::Resource::meta(c.as_ref())))
+                            .collect();
+                        workloads.forget_all_but(|key| listed.contains(key));
+                    }
+                    _ => {}
+                }
+            }
+        });
+    }
+
+    fn forget_key(&self, key: &str) {
         if let Ok(mut map) = self.clusters.lock() {
-            map.remove(&key);
+            map.remove(key);
         }
         if let Ok(mut map) = self.reading.lock() {
-            map.remove(&key);
+            map.remove(key);
         }
+    }
+
+    /// Drops (and so stops the watch of) every workload whose `namespace/cluster` key fails `keep`.
+    fn forget_all_but(&self, keep: impl Fn(&str) -> bool) {
+        if let Ok(mut map) = self.clusters.lock() {
+            map.retain(|key, _| keep(key));
+        }
+    }
+
+    /// Workload clusters held now (`namespace/cluster`, sorted; tests check what is forgotten).
+    pub fn held(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .clusters
+            .lock()
+            .map(|map| map.keys().cloned().collect())
+            .unwrap_or_default();
+        keys.sort();
+        keys
     }
 
     /// The workload cluster's client and Nodes, from `<cluster>-kubeconfig` (key `value`).
