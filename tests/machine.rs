@@ -1256,5 +1256,13 @@ async fn a_deleted_cluster_stops_its_node_watch() {
         (workloads.held() == vec![key("kept")] && workloads.live_watches() == 1).then_some(())
     })
     .await;
+    // A later pass of one of its Machines (its kubeconfig Secret is still there) starts nothing.
+    let again = workloads.get(&ns.client, &ns.name, "deleted").await;
+    assert!(
+        matches!(again, Err(("ClusterNotFound", _))),
+        "a deleted Cluster's workload is not read again"
+    );
+    assert_eq!(workloads.held(), vec![key("kept")]);
+    assert_eq!(workloads.live_watches(), 1);
     workloads.forget(&ns.name, "kept");
 }

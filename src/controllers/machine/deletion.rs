@@ -223,6 +223,10 @@ async fn cleanup(
                     tracing::warn!(machine = %key(m), error = %e, "could not delete the Node; continuing")
                 }
             },
+            // As upstream: a deleted Cluster's Nodes go with it, nothing to wait for.
+            Err(("ClusterNotFound", message)) => {
+                tracing::info!(machine = %key(m), "Node not deleted: {message}")
+            }
             Err((reason, message)) => {
                 tracing::warn!(machine = %key(m), reason, "cannot reach the workload cluster to delete the Node: {message}")
             }

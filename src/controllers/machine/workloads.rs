@@ -1,7 +1,7 @@
 //! One client and one Node watch per workload cluster, shared by its Machines. A rotated
-//! kubeconfig replaces the entry and stops the old watch. A deleted Cluster's entry goes with it
-//! ([`Workloads::follow_clusters`]): its watch would otherwise retry a gone apiserver for as long
-//! as the manager runs.
+//! kubeconfig replaces the entry and stops the old watch. A deleted Cluster's entry goes with it,
+//! and no later pass of its Machines brings it back ([`Workloads::follow_clusters`]): its watch
+//! would otherwise retry a gone apiserver for as long as the manager runs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,14 +17,21 @@ use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinHandle;
 
-/// The cache key of a Cluster's workload: `namespace/name`, as [`Workloads::get`] builds it.
+/// The cache key of a Cluster's workload: `namespace/name`.
+fn workload_key(namespace: &str, cluster: &str) -> String {
+    format!("{namespace}/{cluster}")
+}
+
 fn cluster_key(meta: &ObjectMeta) -> String {
-    format!(
-        "{}/{}",
+    workload_key(
         meta.namespace.as_deref().unwrap_or_default(),
-        meta.name.as_deref().unwrap_or_default()
+        meta.name.as_deref().unwrap_or_default(),
     )
 }
+
+/// Whether the followed Cluster store says a Cluster (by workload key) is gone: false while no
+/// store is followed or it has not listed yet.
+type ClusterGone = Box<dyn Fn(&str) -> bool + Send + Sync>;
 
 /// Why the workload cluster cannot be read: a condition reason and message.
 pub type Unavailable = (&'static str, String);
@@ -186,6 +193,9 @@ pub struct Workloads {
     /// The slot also keeps the last read's failure, so the passes that queued behind a read
     /// that failed take its answer instead of each asking again in turn.
     reading: Mutex<HashMap<String, ReadSlot>>,
+    /// Set by [`Workloads::follow_clusters`]: a read for a Cluster the store no longer holds
+    /// caches nothing, so a pass after (or during) its deletion cannot start a watch again.
+    cluster_gone: std::sync::OnceLock<ClusterGone>,
 }
 
 /// Held by a watch task for as long as it runs.
@@ -212,6 +222,7 @@ impl Workloads {
             recheck: Duration::ZERO,
             live: Arc::default(),
             reading: Mutex::default(),
+            cluster_gone: std::sync::OnceLock::new(),
         }
     }
 
@@ -230,12 +241,13 @@ impl Workloads {
 
     /// Stops the watch of a cluster that is gone.
     pub fn forget(&self, namespace: &str, cluster: &str) {
-        self.forget_key(&format!("{namespace}/{cluster}"));
+        self.forget_key(&workload_key(namespace, cluster));
     }
 
     /// Forgets each workload whose Cluster the shared Cluster store deletes, and, when that
-    /// store has listed (again), each whose Cluster it does not hold: a watch that restarts
-    /// sends no deletion for what went while it was down. Subscribe before the store runs.
+    /// store has listed (again), each whose Cluster it does not hold: a re-list sends no
+    /// deletion for what went while the watch was down. From then on a read for a Cluster the
+    /// store does not hold caches nothing. Subscribe before the store runs.
     pub fn follow_clusters<K>(self: &Arc<Self>, clusters: &crate::stores::SharedStore<K>)
     where
         K: kube::Resource<DynamicType = ()>
@@ -248,6 +260,16 @@ impl Workloads {
     {
         let workloads = Arc::downgrade(self);
         let store = clusters.store.clone();
+        let listed = store.clone();
+        let _ = self.cluster_gone.set(Box::new(move |key: &str| {
+            let ready = futures::FutureExt::now_or_never(listed.wait_until_ready())
+                .is_some_and(|r| r.is_ok());
+            ready
+                && !listed
+                    .state()
+                    .iter()
+                    .any(|c| cluster_key(kube::Resource::meta(c.as_ref())) == key)
+        }));
         let mut events = clusters.subscribe_events(|c: &K| cluster_key(kube::Resource::meta(c)));
         tokio::spawn(async move {
             while let Some(event) = events.next().await {
@@ -270,13 +292,16 @@ impl Workloads {
         });
     }
 
+    /// Drops the workload (its watch stops). The read slot stays: passes may hold it, and the
+    /// last one out removes it.
     fn forget_key(&self, key: &str) {
         if let Ok(mut map) = self.clusters.lock() {
             map.remove(key);
         }
-        if let Ok(mut map) = self.reading.lock() {
-            map.remove(key);
-        }
+    }
+
+    fn cluster_gone(&self, key: &str) -> bool {
+        self.cluster_gone.get().is_some_and(|gone| gone(key))
     }
 
     /// Drops (and so stops the watch of) every workload whose `namespace/cluster` key fails `keep`.
@@ -304,7 +329,7 @@ impl Workloads {
         namespace: &str,
         cluster: &str,
     ) -> Result<(kube::Client, NodesByProviderId), Unavailable> {
-        let cache_key = format!("{namespace}/{cluster}");
+        let cache_key = workload_key(namespace, cluster);
         if let Some(handles) = self.cached(&cache_key) {
             return handles.listed(cluster).await;
         }
@@ -359,6 +384,15 @@ impl Workloads {
         cluster: &str,
         cache_key: &str,
     ) -> Result<Handles, Unavailable> {
+        let gone = || {
+            (
+                "ClusterNotFound",
+                format!("Cluster {namespace}/{cluster} not found"),
+            )
+        };
+        if self.cluster_gone(cache_key) {
+            return Err(gone());
+        }
         let secret_name = format!("{cluster}-kubeconfig");
         let secret = Api::<Secret>::namespaced(client.clone(), namespace)
             .get_opt(&secret_name)
@@ -441,8 +475,14 @@ impl Workloads {
             watch,
         };
         let handles = entry.handles();
-        // Inserting drops (and so stops) the watch of the kubeconfig this one replaces.
+        // Inserting drops (and so stops) the watch of the kubeconfig this one replaces. Checked
+        // under the lock the deletion's `forget` takes: the store drops the Cluster before its
+        // listeners hear of it, so either the deletion comes after this insert and removes it, or
+        // this check sees the Cluster gone (and dropping `entry` stops its watch).
         if let Ok(mut map) = self.clusters.lock() {
+            if self.cluster_gone(cache_key) {
+                return Err(gone());
+            }
             map.insert(cache_key.to_string(), entry);
         }
         Ok(handles)
