@@ -32,6 +32,17 @@ pub use index::{Index, KeysOf};
 /// `watches_shared_stream`/`owns_shared_stream` take them. Deletions are not sent.
 pub type Changes<K> = BoxStream<'static, Arc<K>>;
 
+/// A kind a [`SharedStore`] can watch: what kube-runtime's watcher and store ask of it.
+pub trait Watched:
+    Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static
+{
+}
+
 /// A store being filled by one watch. Subscribe controllers before `run`.
 pub struct SharedStore<K>
 where
@@ -51,7 +62,7 @@ type Listener<K> = Box<dyn FnMut(&watcher::Event<K>) -> bool + Send>;
 
 impl<K> SharedStore<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K: Watched,
 {
     pub fn new() -> Self {
         let (store, writer) = reflector::store();
@@ -191,7 +202,7 @@ fn fan_out<K>(
 
 impl<K> Default for SharedStore<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K: Watched,
 {
     fn default() -> Self {
         Self::new()
@@ -271,7 +282,7 @@ pub fn slim_secret_meta(
 /// dropped (a Machine written by four field managers is 20 KB of them).
 pub fn lean_controller<K>(api: Api<K>, config: watcher::Config) -> kube::runtime::Controller<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K: Watched,
 {
     lean_controller_keeping(api, config, |_| {})
 }
@@ -283,7 +294,7 @@ pub fn lean_controller_keeping<K>(
     keep: impl FnMut(&mut K) + Send + 'static,
 ) -> kube::runtime::Controller<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K: Watched,
 {
     let (store, writer) = reflector::store();
     let changes = reflector::reflector(
@@ -297,7 +308,7 @@ where
 /// A store nobody subscribes to (read-only users such as the boot service in tests).
 pub fn watch_store<K>(api: Api<K>, config: watcher::Config) -> Store<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K: Watched,
 {
     SharedStore::new().run(api, config)
 }

@@ -150,16 +150,10 @@ impl Triggers {
     /// sends no deletions, and a Machine waits for its infrastructure and bootstrap config to
     /// go when it is deleted (or reports one missing): without this, only its requeue (2 s)
     /// or the resync would tell it. Subscribe before the store runs.
-    pub fn follow_deletions<K>(&self, shared: &crate::stores::SharedStore<K>)
-    where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + std::fmt::Debug
-            + serde::de::DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
-    {
+    pub fn follow_deletions<K: crate::stores::Watched>(
+        &self,
+        shared: &crate::stores::SharedStore<K>,
+    ) {
         let tx = self.tx.clone();
         let mut events = shared.subscribe_events(|obj: &K| owning_machines::<Machine>(obj));
         tokio::spawn(async move {

@@ -248,28 +248,23 @@ impl Workloads {
     /// store has listed (again), each whose Cluster it does not hold: a re-list sends no
     /// deletion for what went while the watch was down. From then on a read for a Cluster the
     /// store does not hold caches nothing. Subscribe before the store runs.
-    pub fn follow_clusters<K>(self: &Arc<Self>, clusters: &crate::stores::SharedStore<K>)
-    where
-        K: kube::Resource<DynamicType = ()>
-            + Clone
-            + std::fmt::Debug
-            + serde::de::DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
-    {
-        let workloads = Arc::downgrade(self);
+    pub fn follow_clusters<K: crate::stores::Watched>(
+        self: &Arc<Self>,
+        clusters: &crate::stores::SharedStore<K>,
+    ) {
         let store = clusters.store.clone();
-        let listed = store.clone();
         let _ = self.cluster_gone.set(Box::new(move |key: &str| {
-            let ready = futures::FutureExt::now_or_never(listed.wait_until_ready())
+            let listed = futures::FutureExt::now_or_never(store.wait_until_ready())
                 .is_some_and(|r| r.is_ok());
-            ready
-                && !listed
-                    .state()
-                    .iter()
-                    .any(|c| cluster_key(kube::Resource::meta(c.as_ref())) == key)
+            let Some((namespace, name)) = key.split_once('/') else {
+                return false;
+            };
+            listed
+                && store
+                    .get(&reflector::ObjectRef::new(name).within(namespace))
+                    .is_none()
         }));
+        let workloads = Arc::downgrade(self);
         let mut events = clusters.subscribe_events(|c: &K| cluster_key(kube::Resource::meta(c)));
         tokio::spawn(async move {
             while let Some(event) = events.next().await {
@@ -278,14 +273,8 @@ impl Workloads {
                 };
                 match event {
                     watcher::Event::Delete(key) => workloads.forget_key(&key),
-                    watcher::Event::InitDone => {
-                        let listed: std::collections::HashSet<String> = store
-                            .state()
-                            .iter()
-                            .map(|c| cluster_key(kube::Resource::meta(c.as_ref())))
-                            .collect();
-                        workloads.forget_all_but(|key| listed.contains(key));
-                    }
+                    // The store holds the new list by now: the same check a read makes.
+                    watcher::Event::InitDone => workloads.forget_gone(),
                     _ => {}
                 }
             }
@@ -304,10 +293,10 @@ impl Workloads {
         self.cluster_gone.get().is_some_and(|gone| gone(key))
     }
 
-    /// Drops (and so stops the watch of) every workload whose `namespace/cluster` key fails `keep`.
-    fn forget_all_but(&self, keep: impl Fn(&str) -> bool) {
+    /// Drops (and so stops the watch of) every workload whose Cluster the store does not hold.
+    fn forget_gone(&self) {
         if let Ok(mut map) = self.clusters.lock() {
-            map.retain(|key, _| keep(key));
+            map.retain(|key, _| !self.cluster_gone(key));
         }
     }
 
