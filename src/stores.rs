@@ -374,6 +374,13 @@ fn warn_unlisted(kind: &str) {
     );
 }
 
+/// What the Machine store keeps: the modeled fields ([`crate::api::Machine::forget_unmodeled`]).
+pub fn keep_machine(guarded: &mut kube::core::DeserializeGuard<crate::api::Machine>) {
+    if let Ok(machine) = guarded.0.as_mut() {
+        machine.forget_unmodeled();
+    }
+}
+
 /// The reflectors of the manager: one watch per kind, shared by every controller and the boot
 /// service. Malformed Machines and Clusters (an upstream CRD newer than our types, or a
 /// permissive one) come through as `DeserializeGuard` errors instead of stalling the watch.
@@ -439,7 +446,8 @@ impl Reflectors {
         let all = watcher::Config::default;
         self.hosts.run(api(&client, namespace), all());
         self.metal_machines.run(api(&client, namespace), all());
-        self.machines.run(api(&client, namespace), all());
+        self.machines
+            .run_keeping(api(&client, namespace), all(), keep_machine);
         self.clusters.run(api(&client, namespace), all());
         self.metal_clusters.run(api(&client, namespace), all());
         self.boot_secrets.run_keeping(
@@ -625,5 +633,105 @@ mod tests {
             for_configs.metadata.owner_references,
             full.metadata.owner_references
         );
+    }
+
+    /// An upstream v1beta2 Machine as core Cluster API writes it in provider mode: its status
+    /// repeats the v1beta1 conditions under `deprecated`, which no reader of the store models.
+    fn upstream_machine() -> serde_json::Value {
+        let old_condition = |kind: &str| {
+            serde_json::json!({"type": kind, "status": "True",
+                "lastTransitionTime": "2026-11-29T10:00:00Z", "severity": "",
+                "reason": "", "message": ""})
+        };
+        let old_conditions = [
+            "Ready",
+            "BootstrapReady",
+            "InfrastructureReady",
+            "NodeHealthy",
+            "DrainingSucceeded",
+        ]
+        .map(old_condition);
+        serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": {"name": "w-0", "namespace": "ns", "resourceVersion": "7",
+                "labels": {"cluster.x-k8s.io/cluster-name": "c"}},
+            "spec": {"clusterName": "c", "version": "v1.36.3",
+                "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io",
+                    "kind": "KubeadmConfig", "name": "w-0"}, "dataSecretName": "w-0"},
+                "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                    "kind": "MetalMachine", "name": "w-0"},
+                "providerID": "metalboot://ns/host-0",
+                "readinessGates": [{"conditionType": "Ready"}],
+                "deletion": {"nodeDrainTimeoutSeconds": 60, "someLaterField": 1}},
+            "status": {"phase": "Running", "nodeRef": {"name": "host-0", "uid": "u"},
+                "initialization": {"bootstrapDataSecretCreated": true,
+                    "infrastructureProvisioned": true},
+                "conditions": [{"type": "Ready", "status": "True", "reason": "Ready",
+                    "message": "", "lastTransitionTime": "2026-11-29T10:00:00Z"}],
+                "certificatesExpiryDate": "2027-11-29T10:00:00Z",
+                "deprecated": {"v1beta1": {"conditions": old_conditions}}}
+        })
+    }
+
+    #[test]
+    fn the_machine_store_keeps_every_modeled_field_and_drops_the_rest() {
+        let upstream = upstream_machine();
+        let full: crate::api::Machine = serde_json::from_value(upstream).expect("a Machine");
+        let mut guarded = kube::core::DeserializeGuard(Ok(full.clone()));
+        keep_machine(&mut guarded);
+        let Ok(kept) = guarded.0 else {
+            panic!("a Machine that read whole is kept")
+        };
+        // Every modeled field is as it was...
+        let mut expected = full.clone();
+        expected.spec.extra.clear();
+        expected.spec.bootstrap.extra.clear();
+        if let Some(d) = expected.spec.deletion.as_mut() {
+            d.extra.clear();
+        }
+        if let Some(s) = expected.status.as_mut() {
+            s.extra.clear();
+            if let Some(n) = s.node_ref.as_mut() {
+                n.extra.clear();
+            }
+        }
+        assert_eq!(
+            (&kept.metadata, &kept.spec, &kept.status),
+            (&expected.metadata, &expected.spec, &expected.status)
+        );
+        assert_eq!(
+            kept.spec.provider_id.as_deref(),
+            Some("metalboot://ns/host-0")
+        );
+        assert_eq!(kept.metadata.labels, full.metadata.labels);
+        // ...and what was only there for a round trip is gone.
+        let full_status = full.status.as_ref().map(|s| s.extra.len());
+        assert!(
+            full_status.is_some_and(|n| n >= 2),
+            "the test's upstream extras were read"
+        );
+        let written = serde_json::to_value(&kept).expect("serializes");
+        for gone in ["deprecated", "certificatesExpiryDate"] {
+            assert!(
+                written["status"].get(gone).is_none(),
+                "{gone} kept: {written}"
+            );
+        }
+        assert!(written["spec"].get("readinessGates").is_none());
+        assert!(written["spec"]["deletion"].get("someLaterField").is_none());
+        assert!(written["status"]["nodeRef"].get("uid").is_none());
+    }
+
+    #[test]
+    fn a_machine_that_did_not_read_is_kept_as_its_error() {
+        let mut guarded: kube::core::DeserializeGuard<crate::api::Machine> =
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "metadata": {"name": "bad", "namespace": "ns"},
+                "spec": {"clusterName": 5}
+            }))
+            .expect("a guard reads anything with metadata");
+        keep_machine(&mut guarded);
+        assert!(guarded.0.is_err());
     }
 }

@@ -127,6 +127,27 @@ impl Cluster {
     }
 }
 
+impl Machine {
+    /// Drops every field kept only for a round trip (the `extra` maps), for the manager's store.
+    /// An upstream Machine's status carries its v1beta1 conditions again under `deprecated`, and
+    /// as `serde_json::Value` trees they are kilobytes per Machine that no reader of the store
+    /// looks at. So a store copy must never be written back whole; nothing does (status is
+    /// applied by its own field manager, spec and metadata changes are patches).
+    pub fn forget_unmodeled(&mut self) {
+        self.spec.extra = BTreeMap::new();
+        self.spec.bootstrap.extra = BTreeMap::new();
+        if let Some(deletion) = self.spec.deletion.as_mut() {
+            deletion.extra = BTreeMap::new();
+        }
+        if let Some(status) = self.status.as_mut() {
+            status.extra = BTreeMap::new();
+            if let Some(node) = status.node_ref.as_mut() {
+                node.extra = BTreeMap::new();
+            }
+        }
+    }
+}
+
 /// Machine spec (the parts metalboot reads or writes).
 #[derive(
     CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema,
