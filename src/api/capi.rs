@@ -1,6 +1,8 @@
 //! Cluster API core `Cluster` and `Machine` (`cluster.x-k8s.io/v1beta2`), read tolerantly: the
 //! fields metalboot uses are typed, everything else is kept in `extra` so an upstream object
-//! round-trips unchanged and an upstream field we do not model never fails a watch. The CRDs
+//! round-trips unchanged and an upstream field we do not model never fails a watch. The
+//! manager's Machine store drops `extra` ([`Machine::forget_unmodeled`]): its copies do not
+//! round-trip and are never written back whole. The CRDs
 //! generated from these types are for standalone mode only (no upstream Cluster API installed);
 //! they keep unknown fields too.
 
