@@ -44,11 +44,17 @@ done
 qemu_args=()
 for name in "${qemu_tests[@]}"; do qemu_args+=(--test "$name"); done
 
+# The test binaries take about 2 GB of target/ beside what `make test`'s other steps built. A full
+# disk shows up as a linker crash (SIGBUS), so say how much room there is, before and on failure.
+free_space() { df -h --output=avail target | tail -1 | tr -d ' '; }
+echo "test: $(free_space) free on the filesystem of target/" | tee "$log"
+
 # Build every target first, so a compile error ends the run with cargo's own message and the
 # lanes below only run what is built.
-"$cargo" test --no-fail-fast --no-run 2>&1 | tee "$log"
+"$cargo" test --no-fail-fast --no-run 2>&1 | tee -a "$log"
 built=${PIPESTATUS[0]}
 if [ "$built" -ne 0 ]; then
+    echo "test: the build failed with $(free_space) free on the filesystem of target/" | tee -a "$log"
     summarize
     exit "$built"
 fi
