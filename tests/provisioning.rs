@@ -129,6 +129,31 @@ async fn a_machine_is_provisioned_by_playing_the_host_then_deprovisioned() {
         status.addresses
     );
     assert_eq!(condition(&mm, "Ready").map(|c| c.0), Some("True".into()));
+    // The pass that made it ready announced it (the next pass decides from that write's answer,
+    // which is already ready, so no later pass would).
+    let events =
+        Api::<k8s_openapi::api::core::v1::Event>::namespaced(lab.ns.client.clone(), &lab.ns.name);
+    let provisioned = support::eventually("the Provisioned Event on m1", 30, || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("Provisioned")
+                    && e.involved_object.kind.as_deref() == Some("MetalMachine")
+                    && e.involved_object.name.as_deref() == Some("m1")
+            })
+    })
+    .await;
+    assert!(
+        provisioned
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("host-0") && m.contains(&expected_provider_id)),
+        "{provisioned:?}"
+    );
     // Neither the finalizer nor a claim that succeeds is announced by a status write of its
     // own (one round trip long each, and mirrored by the Machine): every status written says
     // a phase, and "claiming" is one only right after a wait for a free host (host-0 may not be

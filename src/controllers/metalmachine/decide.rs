@@ -929,7 +929,14 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
                 failure_domain: host.labels().get(&o.failure_domain_label).cloned(),
                 addresses,
             };
-            Decision::new(status, step, None)
+            // This pass makes the machine ready, and the next decides from its answer (ready):
+            // the Event is announced here, or never. `decide_provisioned` announces it only when
+            // a pass finds the providerID without ready (a status write that failed).
+            let message = format!(
+                "MetalHost {host_name} bootstrapped; providerID {}",
+                record.provider_id
+            );
+            Decision::new(status, step, None).noting(false, "Provisioned", message)
         }
     }
 }
@@ -1689,6 +1696,11 @@ mod tests {
             let records = matches!(d.step, Step::RecordProvisioned { .. });
             assert_eq!(d.status.ready, records, "{what}: ready");
             if let Step::RecordProvisioned { addresses, .. } = &d.step {
+                assert_eq!(
+                    d.note.as_ref().map(|n| (n.warning, n.reason)),
+                    Some((false, "Provisioned")),
+                    "{what}: the pass that makes the machine ready announces it"
+                );
                 assert_eq!(&d.status.addresses, addresses, "{what}: addresses");
                 assert_eq!(
                     d.status.initialization.as_ref().and_then(|i| i.provisioned),
