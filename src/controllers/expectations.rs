@@ -369,6 +369,34 @@ impl<A> Expectations<A> {
         unmet
     }
 
+    /// The names under `prefix` that another writer than `writer` wrote and the store (`seen`)
+    /// does not show yet. A machine choosing a free host skips the ones another machine of this
+    /// process has just claimed: its claim, bound to their old version, would only be refused
+    /// (409) and leave it waiting for the store. Entries of 409s alone are not counted (nobody
+    /// here holds that host), and nothing is forgotten here: [`Expectations::first_unmet`] does.
+    pub fn written_by_others(
+        &self,
+        prefix: &str,
+        seen: impl Fn(&str) -> Option<String>,
+        writer: &str,
+    ) -> std::collections::HashSet<String> {
+        let Ok(pending) = self.pending.lock() else {
+            return Default::default();
+        };
+        pending
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .filter(|(_, entry)| {
+                !entry.writers.is_empty() && !entry.writers.iter().any(|w| w == writer)
+            })
+            .filter(|(key, entry)| state_of(entry, seen(key).as_deref()) != Seen::Met)
+            .filter_map(|(key, _)| key.strip_prefix(prefix).map(str::to_string))
+            .collect()
+    }
+
     /// The apiserver's answer about an overdue `key`: `live` is its resourceVersion (None when
     /// the object is gone), `seen` the store's. The same version means the store is current
     /// and our write was superseded (the wait ends, true); another means the store is behind
@@ -864,6 +892,54 @@ mod tests {
         assert_eq!(
             e.first_unmet("H/ns/", store, "", |_| true),
             Some(("H/ns/b".into(), Seen::Overdue))
+        );
+    }
+
+    /// A host another machine has just claimed, not yet in the store, is no candidate for the
+    /// rest; once the store shows any later version of it, it is one again.
+    #[test]
+    fn hosts_others_just_wrote_are_named_until_the_store_shows_them() {
+        let e = Expectations::<()>::default();
+        e.wrote_for(
+            "H/ns/a".into(),
+            Some("1".into()),
+            Some("2".into()),
+            "M/ns/m1",
+        );
+        e.wrote_for(
+            "H/ns/b".into(),
+            Some("5".into()),
+            Some("6".into()),
+            "M/ns/m2",
+        );
+        e.conflicted_for("H/ns/c".into(), Some("8".into()), "M/ns/m3");
+        e.wrote_for(
+            "H/other/d".into(),
+            Some("1".into()),
+            Some("2".into()),
+            "M/other/m9",
+        );
+        let store = |key: &str| match key {
+            "H/ns/a" => Some("1".to_string()),
+            "H/ns/b" => Some("6".to_string()),
+            _ => Some("8".to_string()),
+        };
+        let names = |writer: &str| {
+            let mut v: Vec<_> = e
+                .written_by_others("H/ns/", store, writer)
+                .into_iter()
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            names("M/ns/m4"),
+            vec!["a".to_string()],
+            "a: claimed by m1, the store still shows the version before; b: the store shows the claim; c: only a lost race; d: another namespace"
+        );
+        assert!(
+            names("M/ns/m1").is_empty(),
+            "a machine's own claim is not another's"
         );
     }
 
