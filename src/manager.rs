@@ -571,6 +571,7 @@ async fn start_infrastructure(
         fresh_secrets: Default::default(),
         pass_locks: Default::default(),
         lane: Default::default(),
+        claims_in_flight: Default::default(),
     });
     let lane_ctx = machine_ctx.clone();
     // Notices the callback lane took reach the controller only when the lane gives them back.

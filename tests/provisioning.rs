@@ -846,6 +846,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         fresh_secrets: Default::default(),
         pass_locks: Default::default(),
         lane: Default::default(),
+        claims_in_flight: Default::default(),
     };
     let held = Arc::new(held_machine);
 

@@ -216,6 +216,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             let consumer = ConsumerReference::to_metal_machine(&name, &namespace);
             let patch = super::claim::claim_patch(&consumer);
             let replaced = Some(resource_version.clone());
+            let _in_flight = ctx.claims_in_flight.claiming(&namespace, host);
             patch_from(ctx, mm, &hosts, host, replaced, patch, "claim").await?;
             Ok(Acted::default())
         }

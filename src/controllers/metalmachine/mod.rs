@@ -16,7 +16,7 @@ pub mod claim;
 pub mod decide;
 pub mod observe;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -146,6 +146,59 @@ pub struct MachineContext {
     pub pass_locks: PassLocks,
     /// Callback-lane passes running now (see [`callback_lane`]).
     pub lane: CallbackLane,
+    /// Hosts whose claim is on its way to the apiserver (see [`ClaimsInFlight`]).
+    pub claims_in_flight: ClaimsInFlight,
+}
+
+/// The hosts this process is claiming right now, by `namespace/name`: sent, not yet answered.
+/// Machines choosing a free host meanwhile skip them (their claim would be refused 409); once
+/// answered, the expectations of the write take over until the store shows it.
+#[derive(Default)]
+pub struct ClaimsInFlight(Mutex<HashSet<String>>);
+
+impl ClaimsInFlight {
+    /// Marks `host` as being claimed until the returned guard is dropped (answer or not).
+    pub fn claiming(&self, namespace: &str, host: &str) -> ClaimGuard<'_> {
+        let key = format!("{namespace}/{host}");
+        if let Ok(mut set) = self.0.lock() {
+            set.insert(key.clone());
+        }
+        ClaimGuard { claims: self, key }
+    }
+
+    /// Whether a claim of `host` is on its way now.
+    pub fn contains(&self, namespace: &str, host: &str) -> bool {
+        self.0
+            .lock()
+            .is_ok_and(|set| set.contains(&format!("{namespace}/{host}")))
+    }
+
+    /// The claims in flight now, in `namespace`.
+    pub fn in_namespace(&self, namespace: &str) -> HashSet<String> {
+        let prefix = format!("{namespace}/");
+        self.0
+            .lock()
+            .map(|set| {
+                set.iter()
+                    .filter_map(|k| k.strip_prefix(&prefix).map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// A claim in flight; dropping it (answered, failed or cancelled) ends it.
+pub struct ClaimGuard<'a> {
+    claims: &'a ClaimsInFlight,
+    key: String,
+}
+
+impl Drop for ClaimGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut set) = self.claims.0.lock() {
+            set.remove(&self.key);
+        }
+    }
 }
 
 /// Serializes the passes over one MetalMachine between the controller and the callback lane
@@ -916,6 +969,22 @@ pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>)
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+    /// A claim is in flight from its send until its guard goes, however the pass ends.
+    #[test]
+    fn a_claim_is_in_flight_until_its_guard_is_dropped() {
+        let claims = ClaimsInFlight::default();
+        let guard = claims.claiming("ns", "h1");
+        let other = claims.claiming("other", "h2");
+        assert!(claims.contains("ns", "h1"));
+        assert_eq!(claims.in_namespace("ns"), HashSet::from(["h1".to_string()]));
+        drop(guard);
+        assert!(!claims.contains("ns", "h1"));
+        assert!(claims.in_namespace("ns").is_empty());
+        assert!(claims.contains("other", "h2"));
+        drop(other);
+        assert!(claims.in_namespace("other").is_empty());
+    }
 
     #[test]
     fn an_owner_machine_wakes_its_metal_machine_only_when_its_spec_changes() {

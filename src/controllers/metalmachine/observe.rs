@@ -193,11 +193,12 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
     hosts.retain(in_namespace);
     if hosts.is_empty() {
         hosts = stores.host_index.get(&claim::free_key(&namespace));
-        // Free in the store, but just claimed by another machine of this process: a claim of
-        // one would be refused (409). Kept when they are all there is (the store may be right).
-        let taken = ctx
+        // Free in the store, but being claimed or just claimed by another machine of this
+        // process: a claim of one would be refused (409). Kept when they are all there is.
+        let mut taken = ctx
             .expectations
             .written_by_others(&host_prefix, host_version, &mm_key);
+        taken.extend(ctx.claims_in_flight.in_namespace(&namespace));
         let untaken =
             |h: &Arc<MetalHost>| !h.metadata.name.as_ref().is_some_and(|n| taken.contains(n));
         if !taken.is_empty() && hosts.iter().any(untaken) {
