@@ -895,30 +895,20 @@ mod tests {
         );
     }
 
+    /// A write to `key` on behalf of `writer`, from version `from` to `to`.
+    fn wrote_for(e: &Expectations, key: &str, from: &str, to: &str, writer: &str) {
+        e.wrote_for(key.into(), Some(from.into()), Some(to.into()), writer);
+    }
+
     /// A host another machine has just claimed, not yet in the store, is no candidate for the
     /// rest; once the store shows any later version of it, it is one again.
     #[test]
     fn hosts_others_just_wrote_are_named_until_the_store_shows_them() {
         let e = Expectations::<()>::default();
-        e.wrote_for(
-            "H/ns/a".into(),
-            Some("1".into()),
-            Some("2".into()),
-            "M/ns/m1",
-        );
-        e.wrote_for(
-            "H/ns/b".into(),
-            Some("5".into()),
-            Some("6".into()),
-            "M/ns/m2",
-        );
+        wrote_for(&e, "H/ns/a", "1", "2", "M/ns/m1");
+        wrote_for(&e, "H/ns/b", "5", "6", "M/ns/m2");
         e.conflicted_for("H/ns/c".into(), Some("8".into()), "M/ns/m3");
-        e.wrote_for(
-            "H/other/d".into(),
-            Some("1".into()),
-            Some("2".into()),
-            "M/other/m9",
-        );
+        wrote_for(&e, "H/other/d", "1", "2", "M/other/m9");
         let store = |key: &str| match key {
             "H/ns/a" => Some("1".to_string()),
             "H/ns/b" => Some("6".to_string()),
@@ -948,18 +938,8 @@ mod tests {
     #[test]
     fn a_pass_waits_only_for_the_writes_that_concern_it() {
         let e = Expectations::<()>::default();
-        e.wrote_for(
-            "H/ns/a".into(),
-            Some("1".into()),
-            Some("2".into()),
-            "M/ns/m1",
-        );
-        e.wrote_for(
-            "H/ns/b".into(),
-            Some("5".into()),
-            Some("6".into()),
-            "M/ns/m2",
-        );
+        wrote_for(&e, "H/ns/a", "1", "2", "M/ns/m1");
+        wrote_for(&e, "H/ns/b", "5", "6", "M/ns/m2");
         e.conflicted_for("H/ns/b".into(), Some("5".into()), "M/ns/m3");
         e.wrote("H/ns/c".into(), Some("8".into()), Some("9".into()));
         let store = |key: &str| match key {
