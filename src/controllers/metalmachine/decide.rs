@@ -130,6 +130,14 @@ impl Decision {
             note: None,
         }
     }
+    /// The machine became ready: announced by the pass that makes it so (see `decide_boot`).
+    fn noting_provisioned(self, host_name: &str, provider_id: &str) -> Self {
+        self.noting(
+            false,
+            "Provisioned",
+            format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
+        )
+    }
     fn noting(mut self, warning: bool, reason: &'static str, message: String) -> Self {
         self.note = Some(Note {
             warning,
@@ -602,11 +610,7 @@ fn decide_provisioned(
     };
     let decision = Decision::new(status, step, None);
     if has_boot_secret && !observed_status.ready && claimed.is_some() {
-        return decision.noting(
-            false,
-            "Provisioned",
-            format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
-        );
+        return decision.noting_provisioned(&host_name, &provider_id);
     }
     decision
 }
@@ -645,11 +649,7 @@ fn live_next_boot(
     };
     match (&o.boot, ready_seen) {
         (BootObservation::Record(r), false) if r.reboot.is_none() => {
-            Decision::new(status, Step::Nothing, None).noting(
-                false,
-                "Provisioned",
-                format!("MetalHost {host_name} bootstrapped; providerID {provider_id}"),
-            )
+            Decision::new(status, Step::Nothing, None).noting_provisioned(&host_name, provider_id)
         }
         (_, false) => Decision::new(status, Step::Nothing, None),
         (BootObservation::Record(r), true) => match (r.reboot, &r.callback) {
@@ -932,11 +932,7 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
             // This pass makes the machine ready, and the next decides from its answer (ready):
             // the Event is announced here, or never. `decide_provisioned` announces it only when
             // a pass finds the providerID without ready (a status write that failed).
-            let message = format!(
-                "MetalHost {host_name} bootstrapped; providerID {}",
-                record.provider_id
-            );
-            Decision::new(status, step, None).noting(false, "Provisioned", message)
+            Decision::new(status, step, None).noting_provisioned(&host_name, &record.provider_id)
         }
     }
 }
