@@ -279,3 +279,67 @@ async fn invalid_spec_is_a_terminal_failure_naming_the_field() {
     })
     .await;
 }
+
+/// A `contentFrom` Secret that does not exist yet leaves the config waiting, not failed, and is
+/// used once created; configs made together then share its read (the memo), each still getting
+/// its content.
+#[tokio::test]
+async fn a_content_from_secret_created_late_is_used_by_every_config_that_names_it() {
+    let (ns, _manager) = env("cloudinit-late").await;
+    let configs: Api<CloudInitConfig> = Api::namespaced(ns.client.clone(), &ns.name);
+    let secrets: Api<Secret> = Api::namespaced(ns.client.clone(), &ns.name);
+    let spec = json!({"files": [
+        {"path": "/etc/late", "contentFrom": {"secret": {"name": "late-file", "key": "data"}}}
+    ]});
+    configs
+        .create(&PostParams::default(), &config("late-0", spec.clone()))
+        .await
+        .expect("late-0");
+    machine_for(&ns, "late-0", "c1", "late-0").await;
+    let waiting = eventually("late-0 waits for its Secret", 60, || async {
+        let status = configs.get("late-0").await.ok()?.status?;
+        let ready = status.conditions.iter().find(|c| c.type_ == "Ready")?;
+        (ready.status == "False").then(|| (ready.message.clone(), status.failure_reason))
+    })
+    .await;
+    assert!(waiting.0.contains("late-file"), "{}", waiting.0);
+    assert_eq!(
+        waiting.1, None,
+        "a missing Secret is not a terminal failure"
+    );
+
+    secrets
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: kube::api::ObjectMeta {
+                    name: Some("late-file".into()),
+                    ..Default::default()
+                },
+                data: Some(BTreeMap::from([(
+                    "data".to_string(),
+                    ByteString(b"arrived late\n".to_vec()),
+                )])),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("late-file");
+    for i in 1..6 {
+        let name = format!("late-{i}");
+        configs
+            .create(&PostParams::default(), &config(&name, spec.clone()))
+            .await
+            .expect("config");
+        machine_for(&ns, &name, "c1", &name).await;
+    }
+    for i in 0..6 {
+        let name = format!("late-{i}");
+        let rendered = eventually("bootstrap Secret", 60, || async {
+            secrets.get_opt(&name).await.ok()?
+        })
+        .await;
+        let value = String::from_utf8_lossy(&rendered.data.expect("data")["value"].0).into_owned();
+        assert!(value.contains("arrived late"), "{name}: {value}");
+    }
+}

@@ -144,33 +144,16 @@ pub struct BootState {
     addresses: Mutex<HashMap<IpAddr, String>>,
     /// When each host reached its last boot milestone (for `metalboot_boot_hop_seconds`).
     hops: Mutex<HashMap<String, std::time::Instant>>,
-    /// Bootstrap data read from the apiserver lately, per token (`UserDataMemo`).
-    user_data: Mutex<UserDataMemo>,
+    /// Bootstrap data read from the apiserver lately, per token hash: a host that asks again
+    /// (cloud-init retrying, a token holder looping) costs at most one apiserver read per token
+    /// per [`USER_DATA_MEMO_TTL`].
+    user_data: moka::future::Cache<u64, Bytes>,
 }
 
 /// How long bootstrap data read for a token answers that token's repeats without a read.
 const USER_DATA_MEMO_TTL: std::time::Duration = std::time::Duration::from_secs(10);
 /// How many tokens' bootstrap data are kept at once (a few MB at most).
-const USER_DATA_MEMO_ENTRIES: usize = 64;
-
-/// The bootstrap data last read per token: a host that asks again (cloud-init retrying, a token
-/// holder looping) costs at most one apiserver read per token per [`USER_DATA_MEMO_TTL`].
-#[derive(Default)]
-struct UserDataMemo(HashMap<u64, (std::time::Instant, Bytes)>);
-
-impl UserDataMemo {
-    fn get(&mut self, token: u64) -> Option<Bytes> {
-        self.0
-            .retain(|_, (at, _)| at.elapsed() < USER_DATA_MEMO_TTL);
-        self.0.get(&token).map(|(_, bytes)| bytes.clone())
-    }
-
-    fn keep(&mut self, token: u64, bytes: Bytes) {
-        if self.0.len() < USER_DATA_MEMO_ENTRIES {
-            self.0.insert(token, (std::time::Instant::now(), bytes));
-        }
-    }
-}
+const USER_DATA_MEMO_ENTRIES: u64 = 64;
 
 /// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
 /// rebuilt at most once per [`TOKEN_REINDEX`] when a token is not found, and rid of deleted
@@ -359,7 +342,10 @@ impl BootState {
             events: tokio::sync::broadcast::channel(256).0,
             addresses: Mutex::new(HashMap::new()),
             hops: Mutex::new(HashMap::new()),
-            user_data: Mutex::default(),
+            user_data: moka::future::Cache::builder()
+                .max_capacity(USER_DATA_MEMO_ENTRIES)
+                .time_to_live(USER_DATA_MEMO_TTL)
+                .build(),
         })
     }
 
@@ -873,8 +859,8 @@ pub fn redact_path(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        Bytes, EventLimiter, Recorded, Secret, TOKEN_INDEX_SLACK, TokenIndex,
-        USER_DATA_MEMO_ENTRIES, USER_DATA_MEMO_TTL, UserDataMemo, redact_path, token_hash, tokens,
+        EventLimiter, Recorded, Secret, TOKEN_INDEX_SLACK, TokenIndex, redact_path, token_hash,
+        tokens,
     };
 
     /// A boot Secret as the store would hold it after its create.
@@ -981,27 +967,6 @@ mod tests {
             limiter.0.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= super::EVENT_KEYS,
             "bounded under a flood of keys"
         );
-    }
-
-    /// A token's bootstrap data answers its repeats for a few seconds; the memo is bounded.
-    #[test]
-    fn the_user_data_memo_answers_repeats_and_stays_bounded() {
-        let mut memo = UserDataMemo::default();
-        memo.keep(1, Bytes::from_static(b"data"));
-        assert_eq!(memo.get(1), Some(Bytes::from_static(b"data")));
-        assert_eq!(memo.get(2), None);
-        for token in 0..(USER_DATA_MEMO_ENTRIES as u64 * 2) {
-            memo.keep(token, Bytes::from_static(b"x"));
-        }
-        assert_eq!(memo.0.len(), USER_DATA_MEMO_ENTRIES);
-        memo.0.insert(
-            7,
-            (
-                std::time::Instant::now() - USER_DATA_MEMO_TTL,
-                Bytes::from_static(b"old"),
-            ),
-        );
-        assert_eq!(memo.get(7), None, "expired");
     }
 
     #[test]
@@ -1239,7 +1204,7 @@ const USER_DATA_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 /// the lookup holds another token: the request gets the answer an expired token gets.
 async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Bytes, Response> {
     let token = token_hash(record.token.expose());
-    if let Some(bytes) = state.user_data.lock().ok().and_then(|mut m| m.get(token)) {
+    if let Some(bytes) = state.user_data.get(&token).await {
         return Ok(bytes);
     }
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
@@ -1275,9 +1240,7 @@ async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Bytes,
         ));
     }
     let bytes = Bytes::from(tokens::user_data(&secret).unwrap_or_default().to_vec());
-    if let Ok(mut memo) = state.user_data.lock() {
-        memo.keep(token, bytes.clone());
-    }
+    state.user_data.insert(token, bytes.clone()).await;
     Ok(bytes)
 }
 

@@ -19,6 +19,7 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
 use crate::api::cloudinitconfig::{BootstrapInitialization, CloudInitConfigSpec, FileEncoding};
+use crate::api::common::SecretKeyReference;
 use crate::api::{CLUSTER_NAME_LABEL, CloudInitConfig, Cluster, Machine};
 use crate::stores::SharedStore;
 
@@ -155,6 +156,85 @@ pub struct ConfigContext {
     /// Status writes the config store has not shown yet: a pass from the older copy waits
     /// (it would only write the same status again).
     pub expectations: Expectations,
+    /// Secret keys `contentFrom` read lately (see [`content_from`]).
+    pub content_from: ContentFromMemo,
+}
+
+/// `namespace`, Secret name, key → the key's UTF-8 value.
+pub type ContentFromMemo = moka::future::Cache<(String, String, String), Arc<str>>;
+
+/// How long a key read for one render answers other renders. Configs created together (a
+/// MachineDeployment scaling up) all name the same Secret: at N=1,000 that was 1,000 GETs of one
+/// Secret. Upstream's kubeadm bootstrap provider reads Secrets from an informer cache, which also
+/// lags a change; here a changed Secret reaches the renders that start up to this long after it.
+pub const CONTENT_FROM_TTL: Duration = Duration::from_secs(2);
+/// Bytes of values held at once (a Secret holds at most 1 MiB).
+const CONTENT_FROM_KEPT_BYTES: u64 = 4 << 20;
+
+pub fn content_from_memo() -> ContentFromMemo {
+    moka::future::Cache::builder()
+        .max_capacity(CONTENT_FROM_KEPT_BYTES)
+        .weigher(|_, value: &Arc<str>| u32::try_from(value.len()).unwrap_or(u32::MAX))
+        .time_to_live(CONTENT_FROM_TTL)
+        .build()
+}
+
+/// Why a `contentFrom` key has no value.
+#[derive(Debug)]
+enum ContentMiss {
+    /// The Secret, or its key, does not exist, or the value is not UTF-8.
+    Absent,
+    Read(kube::Error),
+}
+
+/// The error of a read other renders may have waited for too: owned when this render was the only
+/// one, otherwise rebuilt (an apiserver refusal keeps its status and code). `None`: no value.
+fn shared_miss(miss: Arc<ContentMiss>) -> Option<kube::Error> {
+    match Arc::try_unwrap(miss) {
+        Ok(ContentMiss::Absent) => None,
+        Ok(ContentMiss::Read(e)) => Some(e),
+        Err(shared) => match &*shared {
+            ContentMiss::Absent => None,
+            ContentMiss::Read(kube::Error::Api(status)) => Some(kube::Error::Api(status.clone())),
+            ContentMiss::Read(e) => Some(kube::Error::Service(e.to_string().into())),
+        },
+    }
+}
+
+/// The UTF-8 value of a Secret's key that a file's `contentFrom` names, from the memo when it was
+/// read less than [`CONTENT_FROM_TTL`] ago. Renders that ask while a read is on its way wait for
+/// that read (with the apiserver saturated a GET waits seconds for its turn, and every render in
+/// that time would send its own). A missing Secret or key, and a failed read, are shared with the
+/// renders waiting for that read but not kept: once the operator creates the Secret, the next
+/// render sees it.
+async fn content_from(
+    ctx: &ConfigContext,
+    secrets: &Api<Secret>,
+    namespace: &str,
+    from: &SecretKeyReference,
+) -> Result<Option<Arc<str>>, ReconcileError> {
+    let memo_key = (namespace.to_string(), from.name.clone(), from.key.clone());
+    let read = async {
+        secrets
+            .get_opt(&from.name)
+            .await
+            .map_err(ContentMiss::Read)?
+            .and_then(|s| s.data)
+            .and_then(|mut d| d.remove(&from.key))
+            .and_then(|b| String::from_utf8(b.0).ok())
+            .map(Arc::from)
+            .ok_or(ContentMiss::Absent)
+    };
+    match ctx.content_from.try_get_with(memo_key, read).await {
+        Ok(value) => Ok(Some(value)),
+        Err(miss) => match shared_miss(miss) {
+            None => Ok(None),
+            Some(source) => Err(ReconcileError::Read {
+                what: format!("Secret {}", from.name),
+                source,
+            }),
+        },
+    }
 }
 
 /// Whether the bootstrap data was rendered from this generation of the spec. Nothing reads the
@@ -283,16 +363,10 @@ async fn reconcile(
         let mut problem = None;
         for (i, f) in spec.files.iter().enumerate() {
             if let Some(from) = &f.content_from {
-                let value = secrets
-                    .get_opt(&from.secret.name)
-                    .await
-                    .map_err(ReconcileError::read(format!("Secret {}", from.secret.name)))?
-                    .and_then(|s| s.data)
-                    .and_then(|d| d.get(&from.secret.key).cloned())
-                    .and_then(|b| String::from_utf8(b.0).ok());
+                let value = content_from(&ctx, &secrets, &ns, &from.secret).await?;
                 match value {
                     Some(v) => {
-                        resolved.insert(i, v);
+                        resolved.insert(i, v.to_string());
                     }
                     None => {
                         problem = Some(format!(
@@ -505,6 +579,31 @@ pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext
 mod tests {
     use super::*;
     use crate::api::cloudinitconfig::{CloudInitFile, CloudInitUser};
+
+    /// A read several renders waited for gives each the apiserver's refusal with its code (a
+    /// 403 must read as a 403), and a missing key as no value, not as an error.
+    #[test]
+    fn a_shared_read_keeps_the_apiservers_answer_for_every_render() {
+        let forbidden = || {
+            kube::Error::Api(
+                kube::core::Status::failure("secrets \"s\" is forbidden", "Forbidden")
+                    .with_code(403)
+                    .boxed(),
+            )
+        };
+        let shared = Arc::new(ContentMiss::Read(forbidden()));
+        let other_waiter = shared.clone();
+        for miss in [shared, other_waiter] {
+            match shared_miss(miss) {
+                Some(kube::Error::Api(status)) => assert_eq!(status.code, 403),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(shared_miss(Arc::new(ContentMiss::Absent)).is_none());
+        let absent = Arc::new(ContentMiss::Absent);
+        let _waiter = absent.clone();
+        assert!(shared_miss(absent).is_none());
+    }
 
     /// The store answers "does the Secret exist" by name, and keeps nothing else of it.
     #[test]
