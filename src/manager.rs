@@ -432,7 +432,7 @@ pub async fn start(
             secrets,
             clusters: shared_clusters,
             expectations: Default::default(),
-            content_from: cloudinitconfig::content_from_memo(),
+            content_from: cloudinitconfig::content_from_reads(),
         });
         running
             .tasks

@@ -343,3 +343,80 @@ async fn a_content_from_secret_created_late_is_used_by_every_config_that_names_i
         assert!(value.contains("arrived late"), "{name}: {value}");
     }
 }
+
+/// Renders that ask for the same `contentFrom` key while its read is on its way join that read;
+/// a render that asks after the answer reads again (no value outlives its read), and so does one
+/// after a miss.
+#[tokio::test]
+async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
+    use metalboot::api::common::SecretKeyReference;
+    use metalboot::controllers::cloudinitconfig::{content_from, content_from_reads};
+    use std::sync::atomic::Ordering;
+
+    let ns = support::namespace("cloudinit-reads").await;
+    let (counting, gets) = support::client_counting_gets("/secrets/shared").await;
+    Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: kube::api::ObjectMeta {
+                    name: Some("shared".into()),
+                    ..Default::default()
+                },
+                data: Some(BTreeMap::from([
+                    ("a".to_string(), ByteString(b"value a".to_vec())),
+                    ("b".to_string(), ByteString(b"value b".to_vec())),
+                ])),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("Secret");
+    let secrets: Api<Secret> = Api::namespaced(counting, &ns.name);
+    let reads = content_from_reads();
+    let key = |key: &str| SecretKeyReference {
+        name: "shared".into(),
+        key: key.into(),
+    };
+    let (a, b) = (key("a"), key("b"));
+    let together = futures::future::join_all(
+        (0..16).map(|i| content_from(&reads, &secrets, &ns.name, if i % 2 == 0 { &a } else { &b })),
+    )
+    .await;
+    for (i, value) in together.into_iter().enumerate() {
+        let expected = if i % 2 == 0 { "value a" } else { "value b" };
+        assert_eq!(
+            value.expect("read").as_deref(),
+            Some(expected),
+            "render {i}"
+        );
+    }
+    assert_eq!(
+        gets.load(Ordering::SeqCst),
+        2,
+        "16 renders, two keys: two reads"
+    );
+
+    let again = content_from(&reads, &secrets, &ns.name, &a)
+        .await
+        .expect("read");
+    assert_eq!(again.as_deref(), Some("value a"));
+    assert_eq!(
+        gets.load(Ordering::SeqCst),
+        3,
+        "asked after the answer: read again"
+    );
+
+    let missing = key("missing");
+    for expected_gets in [4, 5] {
+        let value = content_from(&reads, &secrets, &ns.name, &missing)
+            .await
+            .expect("read");
+        assert_eq!(value, None);
+        assert_eq!(
+            gets.load(Ordering::SeqCst),
+            expected_gets,
+            "a miss is not kept"
+        );
+    }
+}

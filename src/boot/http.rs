@@ -145,15 +145,15 @@ pub struct BootState {
     /// When each host reached its last boot milestone (for `metalboot_boot_hop_seconds`).
     hops: Mutex<HashMap<String, std::time::Instant>>,
     /// Bootstrap data read from the apiserver lately, per token hash: a host that asks again
-    /// (cloud-init retrying, a token holder looping) costs at most one apiserver read per token
-    /// per [`USER_DATA_MEMO_TTL`].
+    /// (cloud-init retrying, a token holder looping) after its last read was answered costs no
+    /// apiserver read for [`USER_DATA_MEMO_TTL`].
     user_data: moka::future::Cache<u64, Bytes>,
 }
 
 /// How long bootstrap data read for a token answers that token's repeats without a read.
 const USER_DATA_MEMO_TTL: std::time::Duration = std::time::Duration::from_secs(10);
-/// How many tokens' bootstrap data are kept at once (a few MB at most).
-const USER_DATA_MEMO_ENTRIES: u64 = 64;
+/// Bytes of bootstrap data kept at once (a boot Secret holds at most 1 MiB).
+const USER_DATA_MEMO_BYTES: u64 = 8 << 20;
 
 /// Token hash → the boot Secret holding it. Built from the store, each Secret version parsed once;
 /// rebuilt at most once per [`TOKEN_REINDEX`] when a token is not found, and rid of deleted
@@ -343,7 +343,8 @@ impl BootState {
             addresses: Mutex::new(HashMap::new()),
             hops: Mutex::new(HashMap::new()),
             user_data: moka::future::Cache::builder()
-                .max_capacity(USER_DATA_MEMO_ENTRIES)
+                .max_capacity(USER_DATA_MEMO_BYTES)
+                .weigher(|_, data: &Bytes| u32::try_from(data.len() + 8).unwrap_or(u32::MAX))
                 .time_to_live(USER_DATA_MEMO_TTL)
                 .build(),
         })
@@ -1197,51 +1198,62 @@ const USER_DATA_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 
 /// The bootstrap data of the attempt `record` authorized, read from the apiserver: the store
 /// keeps none (`tokens::keep_in_store`). Only a request whose token was found current gets here,
-/// and repeats of one token within [`USER_DATA_MEMO_TTL`] are answered from the memo, so the
-/// apiserver sees at most one read per token per TTL, never one per unauthenticated request.
+/// and its repeats join the read on its way or, within [`USER_DATA_MEMO_TTL`] of its answer, are
+/// answered from the memo: one read per token per TTL, never one per unauthenticated request.
 /// The read skips the manager's queue of apiserver requests, as a callback's write does: a host
 /// booting in a storm must not time out waiting behind the controllers. A Secret renewed since
 /// the lookup holds another token: the request gets the answer an expired token gets.
 async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Bytes, Response> {
     let token = token_hash(record.token.expose());
-    if let Some(bytes) = state.user_data.get(&token).await {
-        return Ok(bytes);
-    }
     let secrets: Api<Secret> = Api::namespaced(state.client.clone(), &record.namespace);
-    let unavailable = |what: String| {
-        tracing::warn!(route = "/nocloud", machine = %record.metal_machine, error = %what, "could not read the bootstrap data");
-        text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "bootstrap data unavailable, retry\n".into(),
-        )
-    };
-    let read = crate::kubeconn::gate::urgent(tokio::time::timeout(
-        USER_DATA_READ_TIMEOUT,
-        secrets.get_opt(&record.secret_name),
-    ));
-    let secret = match read.await {
-        Ok(Ok(Some(secret))) => secret,
-        Ok(Ok(None)) => {
-            return Err(text(
-                StatusCode::NOT_FOUND,
-                "unknown or expired token\n".into(),
-            ));
+    let read = async {
+        let read = crate::kubeconn::gate::urgent(tokio::time::timeout(
+            USER_DATA_READ_TIMEOUT,
+            secrets.get_opt(&record.secret_name),
+        ));
+        let secret = match read.await {
+            Ok(Ok(Some(secret))) => secret,
+            Ok(Ok(None)) => return Err(UserDataMiss::Expired),
+            Ok(Err(e)) => return Err(UserDataMiss::Unavailable(e.to_string())),
+            Err(_) => {
+                return Err(UserDataMiss::Unavailable(
+                    "the apiserver did not answer in time".into(),
+                ));
+            }
+        };
+        let same_attempt = tokens::parse_boot_secret(&secret)
+            .is_ok_and(|current| current.token.matches(record.token.expose()));
+        if !same_attempt {
+            tracing::warn!(route = "/nocloud", machine = %record.metal_machine, "user-data of an attempt replaced since its token was looked up");
+            return Err(UserDataMiss::Expired);
         }
-        Ok(Err(e)) => return Err(unavailable(e.to_string())),
-        Err(_) => return Err(unavailable("the apiserver did not answer in time".into())),
+        Ok(Bytes::from(
+            tokens::user_data(&secret).unwrap_or_default().to_vec(),
+        ))
     };
-    let same_attempt = tokens::parse_boot_secret(&secret)
-        .is_ok_and(|current| current.token.matches(record.token.expose()));
-    if !same_attempt {
-        tracing::warn!(route = "/nocloud", machine = %record.metal_machine, "user-data of an attempt replaced since its token was looked up");
-        return Err(text(
+    // Requests with one token while its read is on its way join that read.
+    state.user_data.try_get_with(token, read).await.map_err(|miss| match &*miss {
+        UserDataMiss::Expired => text(
             StatusCode::NOT_FOUND,
             "unknown or expired token\n".into(),
-        ));
-    }
-    let bytes = Bytes::from(tokens::user_data(&secret).unwrap_or_default().to_vec());
-    state.user_data.insert(token, bytes.clone()).await;
-    Ok(bytes)
+        ),
+        UserDataMiss::Unavailable(what) => {
+            tracing::warn!(route = "/nocloud", machine = %record.metal_machine, error = %what, "could not read the bootstrap data");
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "bootstrap data unavailable, retry\n".into(),
+            )
+        }
+    })
+}
+
+/// Why a user-data request gets no bootstrap data.
+#[derive(Debug)]
+enum UserDataMiss {
+    /// The boot Secret is gone or holds another attempt's token.
+    Expired,
+    /// The apiserver failed or did not answer in time.
+    Unavailable(String),
 }
 
 async fn nocloud_document(

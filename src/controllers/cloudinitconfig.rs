@@ -156,26 +156,37 @@ pub struct ConfigContext {
     /// Status writes the config store has not shown yet: a pass from the older copy waits
     /// (it would only write the same status again).
     pub expectations: Expectations,
-    /// Secret keys `contentFrom` read lately (see [`content_from`]).
-    pub content_from: ContentFromMemo,
+    /// `contentFrom` reads on their way, for renders asking the same to join (see
+    /// [`content_from`]).
+    pub content_from: ContentFromReads,
 }
 
-/// `namespace`, Secret name, key → the key's UTF-8 value.
-pub type ContentFromMemo = moka::future::Cache<(String, String, String), Arc<str>>;
+/// Reads of `contentFrom` keys on their way to the apiserver, by `namespace`, Secret name and key.
+/// Configs created together (a MachineDeployment scaling up) all name the same Secret, and with
+/// the apiserver saturated a GET waits seconds for its turn: at N=1,000 every render sent its own,
+/// 1,000 GETs of one Secret. Renders that ask while a read is waiting join it instead. The value
+/// is dropped once its read is answered, so a render sees the Secret as it was at most one read
+/// before it asked, near enough to upstream's kubeadm bootstrap provider, which reads Secrets
+/// uncached (the value is baked into the bootstrap data for good). `moka`
+/// gives the joining (`or_try_insert_with`: one init per key, errors not kept) and the bounds.
+pub type ContentFromReads = moka::future::Cache<(String, String, String), Arc<str>>;
 
-/// How long a key read for one render answers other renders. Configs created together (a
-/// MachineDeployment scaling up) all name the same Secret: at N=1,000 that was 1,000 GETs of one
-/// Secret. Upstream's kubeadm bootstrap provider reads Secrets from an informer cache, which also
-/// lags a change; here a changed Secret reaches the renders that start up to this long after it.
-pub const CONTENT_FROM_TTL: Duration = Duration::from_secs(2);
-/// Bytes of values held at once (a Secret holds at most 1 MiB).
-const CONTENT_FROM_KEPT_BYTES: u64 = 4 << 20;
+/// How long a value outlives its read at most: only when the pass that read it was cancelled
+/// before dropping it (normally it is dropped at once).
+const CONTENT_FROM_LEFT_AT_MOST: Duration = Duration::from_secs(1);
+/// Bytes held at once, keys included (a Secret holds at most 1 MiB).
+const CONTENT_FROM_HELD_BYTES: u64 = 4 << 20;
 
-pub fn content_from_memo() -> ContentFromMemo {
+pub fn content_from_reads() -> ContentFromReads {
     moka::future::Cache::builder()
-        .max_capacity(CONTENT_FROM_KEPT_BYTES)
-        .weigher(|_, value: &Arc<str>| u32::try_from(value.len()).unwrap_or(u32::MAX))
-        .time_to_live(CONTENT_FROM_TTL)
+        .max_capacity(CONTENT_FROM_HELD_BYTES)
+        .weigher(
+            |(namespace, name, key): &(String, String, String), value: &Arc<str>| {
+                let bytes = namespace.len() + name.len() + key.len() + value.len() + 1;
+                u32::try_from(bytes).unwrap_or(u32::MAX)
+            },
+        )
+        .time_to_live(CONTENT_FROM_LEFT_AT_MOST)
         .build()
 }
 
@@ -187,7 +198,7 @@ enum ContentMiss {
     Read(kube::Error),
 }
 
-/// The error of a read other renders may have waited for too: owned when this render was the only
+/// The error of a read other renders may have joined: owned when this render was the only
 /// one, otherwise rebuilt (an apiserver refusal keeps its status and code). `None`: no value.
 fn shared_miss(miss: Arc<ContentMiss>) -> Option<kube::Error> {
     match Arc::try_unwrap(miss) {
@@ -201,19 +212,16 @@ fn shared_miss(miss: Arc<ContentMiss>) -> Option<kube::Error> {
     }
 }
 
-/// The UTF-8 value of a Secret's key that a file's `contentFrom` names, from the memo when it was
-/// read less than [`CONTENT_FROM_TTL`] ago. Renders that ask while a read is on its way wait for
-/// that read (with the apiserver saturated a GET waits seconds for its turn, and every render in
-/// that time would send its own). A missing Secret or key, and a failed read, are shared with the
-/// renders waiting for that read but not kept: once the operator creates the Secret, the next
-/// render sees it.
-async fn content_from(
-    ctx: &ConfigContext,
+/// The UTF-8 value of a Secret's key that a file's `contentFrom` names, read from the apiserver
+/// or, when a read of the same key is already waiting, by joining it (see [`ContentFromReads`]).
+/// A missing Secret or key, and a failed read, reach the renders that joined that read only.
+pub async fn content_from(
+    reads: &ContentFromReads,
     secrets: &Api<Secret>,
     namespace: &str,
     from: &SecretKeyReference,
 ) -> Result<Option<Arc<str>>, ReconcileError> {
-    let memo_key = (namespace.to_string(), from.name.clone(), from.key.clone());
+    let read_key = (namespace.to_string(), from.name.clone(), from.key.clone());
     let read = async {
         secrets
             .get_opt(&from.name)
@@ -225,8 +233,14 @@ async fn content_from(
             .map(Arc::from)
             .ok_or(ContentMiss::Absent)
     };
-    match ctx.content_from.try_get_with(memo_key, read).await {
-        Ok(value) => Ok(Some(value)),
+    match reads.entry_by_ref(&read_key).or_try_insert_with(read).await {
+        Ok(entry) => {
+            // The render whose read it was drops it; the renders that joined have their copy.
+            if entry.is_fresh() {
+                reads.invalidate(&read_key).await;
+            }
+            Ok(Some(entry.into_value()))
+        }
         Err(miss) => match shared_miss(miss) {
             None => Ok(None),
             Some(source) => Err(ReconcileError::Read {
@@ -363,7 +377,7 @@ async fn reconcile(
         let mut problem = None;
         for (i, f) in spec.files.iter().enumerate() {
             if let Some(from) = &f.content_from {
-                let value = content_from(&ctx, &secrets, &ns, &from.secret).await?;
+                let value = content_from(&ctx.content_from, &secrets, &ns, &from.secret).await?;
                 match value {
                     Some(v) => {
                         resolved.insert(i, v.to_string());

@@ -115,6 +115,35 @@ pub async fn client() -> kube::Client {
     }
 }
 
+/// A client for the shared control plane that counts the GETs it sends whose path contains
+/// `path_part`: how a test sees how many reads the code under test made, on the real apiserver.
+pub async fn client_counting_gets(
+    path_part: &str,
+) -> (kube::Client, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let plane = control_plane();
+    let config = kube::Config::from_custom_kubeconfig(
+        plane.kubeconfig.clone(),
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("kubeconfig of the test control plane");
+    let gets = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = gets.clone();
+    let path_part = path_part.to_string();
+    let count =
+        tower::util::MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
+            if request.method() == http::Method::GET && request.uri().path().contains(&path_part) {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            request
+        });
+    let client = kube::client::ClientBuilder::try_from(config)
+        .expect("client of the test control plane")
+        .with_layer(&count)
+        .build();
+    (client, gets)
+}
+
 /// A fresh namespace for one test.
 pub struct TestNamespace {
     pub client: kube::Client,
