@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
@@ -71,28 +70,30 @@ fn golden_spec() -> serde_json::Value {
     })
 }
 
-async fn file_b_secret(ns: &TestNamespace) {
+/// Creates the Secret `name` holding `data` (key → value) in the test's namespace.
+async fn create_secret(ns: &TestNamespace, name: &str, data: &[(&str, &str)]) {
     let s = Secret {
         metadata: kube::api::ObjectMeta {
-            name: Some("file-b".into()),
+            name: Some(name.into()),
             ..Default::default()
         },
-        data: Some(BTreeMap::from([(
-            "data".to_string(),
-            ByteString(b"from secret\n".to_vec()),
-        )])),
+        data: Some(
+            data.iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        ),
         ..Default::default()
     };
     Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
         .create(&PostParams::default(), &s)
         .await
-        .expect("file Secret");
+        .expect("Secret");
 }
 
 #[tokio::test]
 async fn secret_matches_the_golden_file_and_its_name_survives_recreation() {
     let (ns, _manager) = env("cloudinit-golden").await;
-    file_b_secret(&ns).await;
+    create_secret(&ns, "file-b", &[("data", "from secret\n")]).await;
     let configs: Api<CloudInitConfig> = Api::namespaced(ns.client.clone(), &ns.name);
     configs
         .create(
@@ -308,23 +309,7 @@ async fn a_content_from_secret_created_late_is_used_by_every_config_that_names_i
         "a missing Secret is not a terminal failure"
     );
 
-    secrets
-        .create(
-            &PostParams::default(),
-            &Secret {
-                metadata: kube::api::ObjectMeta {
-                    name: Some("late-file".into()),
-                    ..Default::default()
-                },
-                data: Some(BTreeMap::from([(
-                    "data".to_string(),
-                    ByteString(b"arrived late\n".to_vec()),
-                )])),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("late-file");
+    create_secret(&ns, "late-file", &[("data", "arrived late\n")]).await;
     for i in 1..6 {
         let name = format!("late-{i}");
         configs
@@ -355,23 +340,7 @@ async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
 
     let ns = support::namespace("cloudinit-reads").await;
     let (counting, gets) = support::client_counting_gets("/secrets/shared").await;
-    Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
-        .create(
-            &PostParams::default(),
-            &Secret {
-                metadata: kube::api::ObjectMeta {
-                    name: Some("shared".into()),
-                    ..Default::default()
-                },
-                data: Some(BTreeMap::from([
-                    ("a".to_string(), ByteString(b"value a".to_vec())),
-                    ("b".to_string(), ByteString(b"value b".to_vec())),
-                ])),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("Secret");
+    create_secret(&ns, "shared", &[("a", "value a"), ("b", "value b")]).await;
     let secrets: Api<Secret> = Api::namespaced(counting, &ns.name);
     let reads = content_from_reads();
     let key = |key: &str| SecretKeyReference {
