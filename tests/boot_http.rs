@@ -553,3 +553,32 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
         answers.iter().map(|a| a.0).collect::<Vec<_>>()
     );
 }
+
+/// A token's user-data costs one apiserver read however many requests bring it: the requests
+/// that come while the read is on its way join it, and repeats after its answer are served from
+/// the boot service's memo.
+#[tokio::test]
+async fn requests_for_one_tokens_user_data_share_one_read() {
+    let Fixture { ns, record } = fixture("boot-user-data-reads").await;
+    let (counting, gets) =
+        support::client_counting_gets(&format!("/secrets/{}", record.secret_name)).await;
+    let (state, _callbacks) = boot_state(&counting, &ns.name, BASE, false).await;
+    until_stores("fixture in the stores", &state, |s| {
+        s.boot_secrets.state().len() == 1 && s.machines.state().len() == 1
+    })
+    .await;
+    let path = format!("/nocloud/{}/user-data", record.token.expose());
+    let together =
+        futures::future::join_all((0..8).map(|_| get(&state, &path, Some("10.0.2.15")))).await;
+    for (status, body) in together {
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body, user_data());
+    }
+    let (status, body) = get(&state, &path, Some("10.0.2.15")).await;
+    assert_eq!((status, body), (StatusCode::OK, user_data()), "a repeat");
+    assert_eq!(
+        gets.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "nine requests, one read"
+    );
+}
