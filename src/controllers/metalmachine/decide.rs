@@ -1041,16 +1041,14 @@ pub const DELETE_FOR_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/delete
 /// How long a release waits for the MetalHost controller to show it saw the deletion.
 pub const HOST_REACTION_WAIT: Duration = Duration::from_secs(30);
 
-/// Whether the host's status still says it is being provisioned for its consumer: the MetalHost
-/// controller has not yet written Deprovisioning, its answer to the consumer's deletion.
-fn host_unaware_of_deletion(host: &MetalHost) -> bool {
-    matches!(
-        host.status.as_ref().and_then(|s| s.state),
-        Some(
-            crate::api::metalhost::HostState::Provisioning
-                | crate::api::metalhost::HostState::Provisioned
-        )
-    )
+/// Whether the MetalHost controller has yet to write the state it derives from its consumer's
+/// deletion (its own rule, [`crate::controllers::metalhost::desired_state`]: Deprovisioning for a
+/// registered host, nothing for one whose registration failed).
+fn host_yet_to_see_deletion(host: &MetalHost) -> bool {
+    use crate::controllers::metalhost::{Consumer, desired_state};
+    host.status
+        .as_ref()
+        .is_some_and(|s| s.state != Some(desired_state(host, s, Consumer::Deleting)))
 }
 
 fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Decision {
@@ -1192,7 +1190,7 @@ fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Dec
         // this machine, and not longer than HOST_REACTION_WAIT (a MetalHost controller that is
         // down or paused does not hold a deletion up). The READY condition stays as it is.
         PowerOffStep::Done
-            if host_unaware_of_deletion(host) && since_delete < HOST_REACTION_WAIT =>
+            if host_yet_to_see_deletion(host) && since_delete < HOST_REACTION_WAIT =>
         {
             Decision::new(
                 draft.done(),
@@ -1274,7 +1272,7 @@ mod tests {
     use super::*;
     use crate::api::capi::{Cluster, Machine, MachineSpec};
     use crate::api::metalhost::MetalHostStatus;
-    use crate::api::metalhost::{ConsumerReference, HostState, MetalHostSpec};
+    use crate::api::metalhost::{ConsumerReference, HostErrorType, HostState, MetalHostSpec};
     use crate::api::metalmachine::MetalMachineSpec;
     use crate::api::{DEFAULT_FAILURE_DOMAIN_LABEL, MetalMachine};
     use crate::boot::tokens::Token;
@@ -1358,14 +1356,21 @@ mod tests {
             })
             .unwrap_or_default(),
         );
-        h.status = Some(MetalHostStatus {
+        let mut status = MetalHostStatus {
             state: Some(if consumer.is_some() {
                 HostState::Provisioning
             } else {
                 HostState::Available
             }),
             ..Default::default()
-        });
+        };
+        conditions::set(
+            &mut status.conditions,
+            Want::t(crate::controllers::metalhost::REGISTERED, "Registered", ""),
+            None,
+            &Time(at(-600)),
+        );
+        h.status = Some(status);
         h
     }
 
@@ -1423,19 +1428,23 @@ mod tests {
         o
     }
 
-    /// The hosts as the MetalHost controller leaves them once it saw their consumer's deletion.
-    fn deprovisioning(mut o: Observed) -> Observed {
+    /// The hosts with their status changed by `f`.
+    fn hosts_with(mut o: Observed, f: impl Fn(&mut MetalHostStatus)) -> Observed {
         o.hosts = o
             .hosts
             .iter()
             .map(|h| {
                 let mut h = (**h).clone();
-                h.status.get_or_insert_with(Default::default).state =
-                    Some(HostState::Deprovisioning);
+                f(h.status.get_or_insert_with(Default::default));
                 Arc::new(h)
             })
             .collect();
         o
+    }
+
+    /// The hosts as the MetalHost controller leaves them once it saw their consumer's deletion.
+    fn deprovisioning(o: Observed) -> Observed {
+        hosts_with(o, |s| s.state = Some(HostState::Deprovisioning))
     }
 
     fn with_mm(mut o: Observed, f: impl FnOnce(&mut MetalMachine)) -> Observed {
@@ -2079,15 +2088,11 @@ mod tests {
             })
         };
         // Deleted `secs_ago`, its host off and in `state` (the MetalHost controller's view).
-        let off_in = |state: HostState, secs_ago: i64| {
-            let mut o = with_mm(claimed(observed()), move |mm| {
-                mm.metadata.deletion_timestamp = Some(Time(at(-secs_ago)))
-            });
-            o.power = Some(Ok(PowerState::Off));
-            let mut h = (*o.hosts[0]).clone();
-            h.status.get_or_insert_with(Default::default).state = Some(state);
-            o.hosts = vec![Arc::new(h)];
-            o
+        let off_in = |state: HostState, secs_ago: i64| Observed {
+            power: Some(Ok(PowerState::Off)),
+            ..hosts_with(deleting(claimed(observed()), secs_ago), |s| {
+                s.state = Some(state)
+            })
         };
         let fault = Fault {
             reason: "BmcUnreachable",
@@ -2158,6 +2163,11 @@ mod tests {
                 Step::Nothing,
             ),
             (
+                "host off, its controller had not even shown the claim (Available): wait for its Deprovisioning write all the same",
+                off_in(HostState::Available, 1),
+                Step::Nothing,
+            ),
+            (
                 "host off, still not Deprovisioning 30 s after the deletion: release anyway",
                 off_in(HostState::Provisioned, 30),
                 Step::Release {
@@ -2167,8 +2177,19 @@ mod tests {
                 },
             ),
             (
-                "host off and in Error: its controller writes nothing for the deletion, release at once",
-                off_in(HostState::Error, 1),
+                "host off, its registration failed: its controller writes nothing for the deletion, release at once",
+                hosts_with(off_in(HostState::Error, 1), |s| {
+                    s.error_type = Some(HostErrorType::RegistrationError)
+                }),
+                Step::Release {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                    fault: None,
+                },
+            ),
+            (
+                "host off, not registered: its controller writes nothing for the deletion, release at once",
+                hosts_with(off_in(HostState::Registering, 1), |s| s.conditions.clear()),
                 Step::Release {
                     host: "h1".into(),
                     resource_version: "rv-h1".into(),
