@@ -329,13 +329,15 @@ async fn a_content_from_secret_created_late_is_used_by_every_config_that_names_i
     }
 }
 
-/// Renders that ask for the same `contentFrom` key while its read is on its way join that read;
-/// a render that asks after the answer reads again (no value outlives its read), and so does one
-/// after a miss.
+/// Renders that ask for the same `contentFrom` Secret while its read is on its way join that
+/// read, whichever keys they want of it; a render that asks after the answer reads again (no
+/// value outlives its read), and so does one after a miss.
 #[tokio::test]
 async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
     use metalboot::api::common::SecretKeyReference;
-    use metalboot::controllers::cloudinitconfig::{content_from, content_from_reads};
+    use metalboot::controllers::cloudinitconfig::{
+        content_from, content_from_reads, content_from_secret,
+    };
     use std::sync::atomic::Ordering;
 
     let ns = support::namespace("cloudinit-reads").await;
@@ -343,45 +345,62 @@ async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
     create_secret(&ns, "shared", &[("a", "value a"), ("b", "value b")]).await;
     let secrets: Api<Secret> = Api::namespaced(counting, &ns.name);
     let reads = content_from_reads();
-    let key = |key: &str| SecretKeyReference {
-        name: "shared".into(),
-        key: key.into(),
-    };
-    let (a, b) = (key("a"), key("b"));
     let together = futures::future::join_all(
-        (0..16).map(|i| content_from(&reads, &secrets, &ns.name, if i % 2 == 0 { &a } else { &b })),
+        (0..16).map(|_| content_from_secret(&reads, &secrets, &ns.name, "shared")),
     )
     .await;
-    for (i, value) in together.into_iter().enumerate() {
-        let expected = if i % 2 == 0 { "value a" } else { "value b" };
-        assert_eq!(
-            value.expect("read").as_deref(),
-            Some(expected),
-            "render {i}"
-        );
+    for (i, values) in together.into_iter().enumerate() {
+        let values = values.expect("read").expect("the Secret exists");
+        for (key, expected) in [("a", "value a"), ("b", "value b")] {
+            assert_eq!(
+                values.get(key).map(|v| &**v),
+                Some(expected),
+                "render {i}, {key}"
+            );
+        }
     }
     assert_eq!(
         gets.load(Ordering::SeqCst),
-        2,
-        "16 renders, two keys: two reads"
+        1,
+        "16 renders of two keys of one Secret: one read"
     );
 
-    let again = content_from(&reads, &secrets, &ns.name, &a)
+    let again = content_from_secret(&reads, &secrets, &ns.name, "shared")
         .await
-        .expect("read");
-    assert_eq!(again.as_deref(), Some("value a"));
+        .expect("read")
+        .expect("the Secret exists");
+    assert_eq!(again.get("a").map(|v| &**v), Some("value a"));
     assert_eq!(
         gets.load(Ordering::SeqCst),
-        3,
+        2,
         "asked after the answer: read again"
     );
 
-    let missing = key("missing");
-    for expected_gets in [4, 5] {
-        let value = content_from(&reads, &secrets, &ns.name, &missing)
+    // One render whose files name two keys of the Secret reads it once.
+    let mut read = std::collections::BTreeMap::new();
+    for (key, expected) in [("a", "value a"), ("b", "value b"), ("c", "")] {
+        let from = SecretKeyReference {
+            name: "shared".into(),
+            key: key.into(),
+        };
+        let value = content_from(&reads, &secrets, &ns.name, &from, &mut read)
             .await
             .expect("read");
-        assert_eq!(value, None);
+        assert_eq!(
+            value.as_deref(),
+            (!expected.is_empty()).then_some(expected),
+            "{key}"
+        );
+    }
+    assert_eq!(gets.load(Ordering::SeqCst), 3, "one render: one more read");
+
+    let (counting, gets) = support::client_counting_gets("/secrets/sharedmissing").await;
+    let secrets: Api<Secret> = Api::namespaced(counting, &ns.name);
+    for expected_gets in [1, 2] {
+        let values = content_from_secret(&reads, &secrets, &ns.name, "sharedmissing")
+            .await
+            .expect("read");
+        assert_eq!(values, None);
         assert_eq!(
             gets.load(Ordering::SeqCst),
             expected_gets,

@@ -83,13 +83,13 @@ struct CloudConfig {
 /// Built from typed values with serde_yaml, so user content cannot break the document.
 pub fn render(
     spec: &CloudInitConfigSpec,
-    resolved: &BTreeMap<usize, String>,
+    resolved: &BTreeMap<usize, Arc<str>>,
 ) -> Result<String, String> {
     let mut write_files = Vec::new();
     for (i, f) in spec.files.iter().enumerate() {
         let content = match (&f.content, resolved.get(&i)) {
             (Some(c), _) => c.clone(),
-            (None, Some(c)) => c.clone(),
+            (None, Some(c)) => c.to_string(),
             (None, None) => return Err(format!("spec.files[{i}]: no content")),
         };
         if f.encoding == Some(FileEncoding::Base64) {
@@ -161,15 +161,20 @@ pub struct ConfigContext {
     pub content_from: ContentFromReads,
 }
 
-/// Reads of `contentFrom` keys on their way to the apiserver, by `namespace`, Secret name and key.
+/// Reads of `contentFrom` Secrets on their way to the apiserver, by namespace and Secret name.
 /// Configs created together (a MachineDeployment scaling up) all name the same Secret, and with
 /// the apiserver saturated a GET waits seconds for its turn: at N=1,000 every render sent its own,
-/// 1,000 GETs of one Secret. Renders that ask while a read is waiting join it instead. The value
-/// is dropped once its read is answered, so a render sees the Secret as it was at most one read
-/// before it asked, near enough to upstream's kubeadm bootstrap provider, which reads Secrets
-/// uncached (the value is baked into the bootstrap data for good). `moka`
-/// gives the joining (`or_try_insert_with`: one init per key, errors not kept) and the bounds.
-pub type ContentFromReads = moka::future::Cache<(String, String, String), Arc<str>>;
+/// 1,000 GETs of one Secret. Renders that ask while a read is waiting join it instead, whichever
+/// keys they want of it. The value is dropped once its read is answered, so a render sees the
+/// Secret as it was at most one read before it asked, near enough to upstream's kubeadm bootstrap
+/// provider, which reads Secrets uncached (the value is baked into the bootstrap data for good).
+/// `moka` gives the joining (`or_try_insert_with`: one init per key, errors not kept) and the
+/// bounds.
+pub type ContentFromReads = moka::future::Cache<(String, String), SecretValues>;
+
+/// A Secret's UTF-8 values by key (a value that is not UTF-8 cannot be a file's content, so it
+/// reads as absent).
+pub type SecretValues = Arc<BTreeMap<String, Arc<str>>>;
 
 /// How long a value outlives its read at most: only when the pass that read it was cancelled
 /// before dropping it (normally it is dropped at once).
@@ -181,25 +186,25 @@ pub fn content_from_reads() -> ContentFromReads {
     moka::future::Cache::builder()
         .max_capacity(CONTENT_FROM_HELD_BYTES)
         .weigher(
-            |(namespace, name, key): &(String, String, String), value: &Arc<str>| {
-                let bytes = namespace.len() + name.len() + key.len() + value.len() + 1;
-                u32::try_from(bytes).unwrap_or(u32::MAX)
+            |(namespace, name): &(String, String), values: &SecretValues| {
+                let held: usize = values.iter().map(|(k, v)| k.len() + v.len()).sum();
+                u32::try_from(namespace.len() + name.len() + held + 1).unwrap_or(u32::MAX)
             },
         )
         .time_to_live(CONTENT_FROM_LEFT_AT_MOST)
         .build()
 }
 
-/// Why a `contentFrom` key has no value.
+/// Why a `contentFrom` Secret has no values.
 #[derive(Debug)]
 enum ContentMiss {
-    /// The Secret, or its key, does not exist, or the value is not UTF-8.
+    /// The Secret does not exist.
     Absent,
     Read(kube::Error),
 }
 
 /// The error of a read other renders may have joined: owned when this render was the only
-/// one, otherwise rebuilt (an apiserver refusal keeps its status and code). `None`: no value.
+/// one, otherwise rebuilt (an apiserver refusal keeps its status and code). `None`: no Secret.
 fn shared_miss(miss: Arc<ContentMiss>) -> Option<kube::Error> {
     match Arc::try_unwrap(miss) {
         Ok(ContentMiss::Absent) => None,
@@ -212,26 +217,28 @@ fn shared_miss(miss: Arc<ContentMiss>) -> Option<kube::Error> {
     }
 }
 
-/// The UTF-8 value of a Secret's key that a file's `contentFrom` names, read from the apiserver
-/// or, when a read of the same key is already waiting, by joining it (see [`ContentFromReads`]).
-/// A missing Secret or key, and a failed read, reach the renders that joined that read only.
-pub async fn content_from(
+/// The UTF-8 values of a Secret that a file's `contentFrom` names, read from the apiserver or,
+/// when a read of the same Secret is already waiting, by joining it (see [`ContentFromReads`]).
+/// A missing Secret (`None`) and a failed read reach the renders that joined that read only.
+pub async fn content_from_secret(
     reads: &ContentFromReads,
     secrets: &Api<Secret>,
     namespace: &str,
-    from: &SecretKeyReference,
-) -> Result<Option<Arc<str>>, ReconcileError> {
-    let read_key = (namespace.to_string(), from.name.clone(), from.key.clone());
+    name: &str,
+) -> Result<Option<SecretValues>, ReconcileError> {
+    let read_key = (namespace.to_string(), name.to_string());
     let read = async {
-        secrets
-            .get_opt(&from.name)
+        let secret = secrets
+            .get_opt(name)
             .await
             .map_err(ContentMiss::Read)?
-            .and_then(|s| s.data)
-            .and_then(|mut d| d.remove(&from.key))
-            .and_then(|b| String::from_utf8(b.0).ok())
-            .map(Arc::from)
-            .ok_or(ContentMiss::Absent)
+            .ok_or(ContentMiss::Absent)?;
+        let values = secret.data.unwrap_or_default().into_iter();
+        Ok(Arc::new(
+            values
+                .filter_map(|(k, v)| Some((k, Arc::from(String::from_utf8(v.0).ok()?))))
+                .collect(),
+        ))
     };
     match reads.entry_by_ref(&read_key).or_try_insert_with(read).await {
         Ok(entry) => {
@@ -244,11 +251,31 @@ pub async fn content_from(
         Err(miss) => match shared_miss(miss) {
             None => Ok(None),
             Some(source) => Err(ReconcileError::Read {
-                what: format!("Secret {}", from.name),
+                what: format!("Secret {name}"),
                 source,
             }),
         },
     }
+}
+
+/// The value of the key a file's `contentFrom` names, each Secret read once per render however
+/// many files name it (`read`: this render's Secrets so far).
+pub async fn content_from(
+    reads: &ContentFromReads,
+    secrets: &Api<Secret>,
+    namespace: &str,
+    from: &SecretKeyReference,
+    read: &mut BTreeMap<String, Option<SecretValues>>,
+) -> Result<Option<Arc<str>>, ReconcileError> {
+    let values = match read.get(&from.name) {
+        Some(values) => values.clone(),
+        None => {
+            let values = content_from_secret(reads, secrets, namespace, &from.name).await?;
+            read.insert(from.name.clone(), values.clone());
+            values
+        }
+    };
+    Ok(values.and_then(|v| v.get(&from.key).cloned()))
 }
 
 /// Whether the bootstrap data was rendered from this generation of the spec. Nothing reads the
@@ -374,13 +401,15 @@ async fn reconcile(
             &cfg.spec
         };
         let mut resolved = BTreeMap::new();
+        let mut read = BTreeMap::new();
         let mut problem = None;
         for (i, f) in spec.files.iter().enumerate() {
             if let Some(from) = &f.content_from {
-                let value = content_from(&ctx.content_from, &secrets, &ns, &from.secret).await?;
+                let value =
+                    content_from(&ctx.content_from, &secrets, &ns, &from.secret, &mut read).await?;
                 match value {
                     Some(v) => {
-                        resolved.insert(i, v.to_string());
+                        resolved.insert(i, v);
                     }
                     None => {
                         problem = Some(format!(
@@ -672,7 +701,7 @@ mod tests {
             ..Default::default()
         };
         let out =
-            render(&spec, &BTreeMap::from([(1, "from secret\n".to_string())])).expect("render");
+            render(&spec, &BTreeMap::from([(1, Arc::from("from secret\n"))])).expect("render");
         let golden = "#cloud-config\nusers:\n- name: capi\n  sudo: ALL=(ALL) NOPASSWD:ALL\n  ssh_authorized_keys:\n  - ssh-ed25519 AAAA test\n  lock_passwd: true\nwrite_files:\n- path: /etc/a\n  content: |\n    line: 1\n    'quoted' \"x\"\n  permissions: '0600'\n- path: /etc/b\n  content: |\n    from secret\nruncmd:\n- set -e\n- 'echo ''hi: there'''\n- mkdir -p /run/cluster-api && touch /run/cluster-api/bootstrap-success.complete\n";
         assert_eq!(out, golden);
         let parsed: serde_yaml::Value =
