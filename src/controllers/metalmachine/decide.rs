@@ -15,7 +15,7 @@ use crate::api::metalmachine::ProvisioningMode;
 use crate::api::metalmachine::{
     HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
 };
-use crate::api::{MetalHost, MetalMachine, PAUSED_ANNOTATION};
+use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine, PAUSED_ANNOTATION};
 use crate::bmc::PowerAction;
 use crate::boot::tokens::{BootRecord, CallbackRecord};
 use crate::controllers::conditions::{self, Want};
@@ -1043,12 +1043,15 @@ pub const HOST_REACTION_WAIT: Duration = Duration::from_secs(30);
 
 /// Whether the MetalHost controller has yet to write the state it derives from its consumer's
 /// deletion (its own rule, [`crate::controllers::metalhost::desired_state`]: Deprovisioning for a
-/// registered host, nothing for one whose registration failed).
+/// registered host, nothing for one whose registration failed). It writes nothing for a paused
+/// host.
 fn host_yet_to_see_deletion(host: &MetalHost) -> bool {
     use crate::controllers::metalhost::{Consumer, desired_state};
-    host.status
-        .as_ref()
-        .is_some_and(|s| s.state != Some(desired_state(host, s, Consumer::Deleting)))
+    !host.annotations().contains_key(HOST_PAUSED_ANNOTATION)
+        && host
+            .status
+            .as_ref()
+            .is_some_and(|s| s.state != Some(desired_state(host, s, Consumer::Deleting)))
 }
 
 fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Decision {
@@ -2170,6 +2173,22 @@ mod tests {
             (
                 "host off, still not Deprovisioning 30 s after the deletion: release anyway",
                 off_in(HostState::Provisioned, 30),
+                Step::Release {
+                    host: "h1".into(),
+                    resource_version: "rv-h1".into(),
+                    fault: None,
+                },
+            ),
+            (
+                "host off and paused: its controller writes nothing for the deletion, release at once",
+                {
+                    let mut o = off_in(HostState::Provisioned, 1);
+                    let mut h = (*o.hosts[0]).clone();
+                    h.annotations_mut()
+                        .insert(HOST_PAUSED_ANNOTATION.to_string(), String::new());
+                    o.hosts = vec![Arc::new(h)];
+                    o
+                },
                 Step::Release {
                     host: "h1".into(),
                     resource_version: "rv-h1".into(),
