@@ -71,7 +71,7 @@ fn golden_spec() -> serde_json::Value {
 }
 
 /// Creates the Secret `name` holding `data` (key → value) in the test's namespace.
-async fn create_secret(ns: &TestNamespace, name: &str, data: &[(&str, &str)]) {
+async fn create_secret(ns: &TestNamespace, name: &str, data: &[(&str, &[u8])]) {
     let s = Secret {
         metadata: kube::api::ObjectMeta {
             name: Some(name.into()),
@@ -79,7 +79,7 @@ async fn create_secret(ns: &TestNamespace, name: &str, data: &[(&str, &str)]) {
         },
         data: Some(
             data.iter()
-                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .map(|(k, v)| (k.to_string(), ByteString(v.to_vec())))
                 .collect(),
         ),
         ..Default::default()
@@ -93,7 +93,7 @@ async fn create_secret(ns: &TestNamespace, name: &str, data: &[(&str, &str)]) {
 #[tokio::test]
 async fn secret_matches_the_golden_file_and_its_name_survives_recreation() {
     let (ns, _manager) = env("cloudinit-golden").await;
-    create_secret(&ns, "file-b", &[("data", "from secret\n")]).await;
+    create_secret(&ns, "file-b", &[("data", "from secret\n".as_bytes())]).await;
     let configs: Api<CloudInitConfig> = Api::namespaced(ns.client.clone(), &ns.name);
     configs
         .create(
@@ -309,7 +309,7 @@ async fn a_content_from_secret_created_late_is_used_by_every_config_that_names_i
         "a missing Secret is not a terminal failure"
     );
 
-    create_secret(&ns, "late-file", &[("data", "arrived late\n")]).await;
+    create_secret(&ns, "late-file", &[("data", "arrived late\n".as_bytes())]).await;
     for i in 1..6 {
         let name = format!("late-{i}");
         configs
@@ -342,7 +342,17 @@ async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
 
     let ns = support::namespace("cloudinit-reads").await;
     let (counting, gets) = support::client_counting_gets("/secrets/shared").await;
-    create_secret(&ns, "shared", &[("a", "value a"), ("b", "value b")]).await;
+    // "d" is not UTF-8: it cannot be a file's content, so it reads as absent.
+    create_secret(
+        &ns,
+        "shared",
+        &[
+            ("a", "value a".as_bytes()),
+            ("b", "value b".as_bytes()),
+            ("d", &[0xff, 0xfe]),
+        ],
+    )
+    .await;
     let secrets: Api<Secret> = Api::namespaced(counting, &ns.name);
     let reads = content_from_reads();
     let together = futures::future::join_all(
@@ -378,7 +388,7 @@ async fn renders_asking_together_share_one_read_of_a_content_from_secret() {
 
     // One render whose files name two keys of the Secret reads it once.
     let mut read = std::collections::BTreeMap::new();
-    for (key, expected) in [("a", "value a"), ("b", "value b"), ("c", "")] {
+    for (key, expected) in [("a", "value a"), ("b", "value b"), ("c", ""), ("d", "")] {
         let from = SecretKeyReference {
             name: "shared".into(),
             key: key.into(),

@@ -401,12 +401,18 @@ async fn reconcile(
             &cfg.spec
         };
         let mut resolved = BTreeMap::new();
-        let mut read = BTreeMap::new();
+        let mut secrets_read = BTreeMap::new();
         let mut problem = None;
         for (i, f) in spec.files.iter().enumerate() {
             if let Some(from) = &f.content_from {
-                let value =
-                    content_from(&ctx.content_from, &secrets, &ns, &from.secret, &mut read).await?;
+                let value = content_from(
+                    &ctx.content_from,
+                    &secrets,
+                    &ns,
+                    &from.secret,
+                    &mut secrets_read,
+                )
+                .await?;
                 match value {
                     Some(v) => {
                         resolved.insert(i, v);
