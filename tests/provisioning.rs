@@ -407,6 +407,74 @@ async fn ten_machines_race_for_three_hosts() {
     assert!(message.contains("no Available MetalHost"), "{message}");
 }
 
+/// A claim whose answer was lost may still be applied, later than a lagging store shows it.
+/// The machine waits for the store (or, after the TTL, the apiserver's word) instead of deciding
+/// again from a store without it: a second claim sent meanwhile could go to another host and
+/// leave the machine holding two.
+#[tokio::test]
+async fn a_claim_whose_answer_was_lost_is_waited_for_not_sent_again() {
+    use std::sync::atomic::Ordering;
+
+    let lab = lab("lostclaim", 2).await;
+    for i in 0..2 {
+        lab.host(i).await;
+    }
+    // Claims and releases are the only merge patches of a MetalHost outside its status.
+    let claims = |method: &http::Method, path: &str| {
+        method == http::Method::PATCH && path.contains("/metalhosts/") && !path.ends_with("/status")
+    };
+    let mut losing = support::client_losing_one_answer(claims, Duration::from_secs(5)).await;
+    let _manager = metalboot::manager::start(
+        losing.client.clone(),
+        hostlab::manager_options(&lab.ns.name),
+    )
+    .await
+    .expect("manager starts");
+    lab.machine("m1", None, None).await;
+
+    let late = tokio::time::timeout(
+        Duration::from_secs(120),
+        losing.late_answer.wait_for(Option::is_some),
+    )
+    .await
+    .expect("the lost claim reached the apiserver late")
+    .expect("answer")
+    .to_owned();
+    assert_eq!(
+        late,
+        Some(200),
+        "the late claim was the machine's only claim (a second one would have made it a 409)"
+    );
+    let held = support::eventually("m1 holds a host", 90, || async {
+        lab.metal_machine("m1")
+            .await?
+            .status?
+            .host_ref
+            .map(|h| h.name)
+    })
+    .await;
+    let hosts_api: Api<MetalHost> = Api::namespaced(lab.ns.client.clone(), &lab.ns.name);
+    let claimed_by_m1: Vec<String> = hosts_api
+        .list(&ListParams::default())
+        .await
+        .expect("hosts")
+        .items
+        .iter()
+        .filter(|h| h.spec.consumer_ref.as_ref().is_some_and(|c| c.name == "m1"))
+        .map(|h| h.name_any())
+        .collect();
+    assert_eq!(
+        claimed_by_m1,
+        vec![held],
+        "one host, the one whose claim was lost"
+    );
+    assert_eq!(
+        losing.picked.load(Ordering::SeqCst),
+        1,
+        "one claim sent in all"
+    );
+}
+
 #[tokio::test]
 async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle() {
     let lab = lab("restart", 1).await;

@@ -144,6 +144,92 @@ pub async fn client_counting_gets(
     (client, gets)
 }
 
+/// A client from [`client_losing_one_answer`], and what became of the requests it picked.
+pub struct LosingClient {
+    pub client: kube::Client,
+    /// The apiserver's HTTP status for the request held back, once it was sent, late.
+    pub late_answer: tokio::sync::watch::Receiver<Option<u16>>,
+    /// Requests picked so far, the held-back one included.
+    pub picked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A client of the shared control plane whose first request `matches` picks is answered at once
+/// with a lost connection, and reaches the apiserver only `late` after: a write applied after its
+/// writer gave up on it, seen as a watch that lags behind a starved apiserver sees it.
+pub async fn client_losing_one_answer(
+    matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
+    late: std::time::Duration,
+) -> LosingClient {
+    let plane = control_plane();
+    let config = kube::Config::from_custom_kubeconfig(
+        plane.kubeconfig.clone(),
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("kubeconfig of the test control plane");
+    let inner = kube::Client::try_from(config).expect("client of the test control plane");
+    let namespace = inner.default_namespace().to_string();
+    let (answered, late_answer) = tokio::sync::watch::channel(None);
+    let picked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let service = LosesOneAnswer {
+        inner,
+        matches: std::sync::Arc::new(matches),
+        picked: picked.clone(),
+        late,
+        answered: std::sync::Arc::new(answered),
+    };
+    LosingClient {
+        client: kube::Client::new(service, namespace),
+        late_answer,
+        picked,
+    }
+}
+
+/// Which requests a [`LosesOneAnswer`] picks, by method and path.
+type Picks = dyn Fn(&http::Method, &str) -> bool + Send + Sync;
+
+#[derive(Clone)]
+struct LosesOneAnswer {
+    inner: kube::Client,
+    matches: std::sync::Arc<Picks>,
+    picked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    late: std::time::Duration,
+    answered: std::sync::Arc<tokio::sync::watch::Sender<Option<u16>>>,
+}
+
+impl tower::Service<http::Request<kube::client::Body>> for LosesOneAnswer {
+    type Response = http::Response<kube::client::Body>;
+    type Error = tower::BoxError;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let lose = (self.matches)(request.method(), request.uri().path())
+            && self.picked.fetch_add(1, Ordering::SeqCst) == 0;
+        if !lose {
+            return Box::pin(async move { inner.send(request).await.map_err(Into::into) });
+        }
+        let (late, answered) = (self.late, self.answered.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(late).await;
+            let status = match inner.send(request).await {
+                Ok(response) => response.status().as_u16(),
+                Err(kube::Error::Api(status)) => status.code,
+                Err(_) => 0,
+            };
+            answered.send_replace(Some(status));
+        });
+        Box::pin(async { Err("connection lost before the answer (injected by the test)".into()) })
+    }
+}
+
 /// A fresh namespace for one test.
 pub struct TestNamespace {
     pub client: kube::Client,

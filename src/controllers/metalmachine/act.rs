@@ -70,9 +70,11 @@ where
     {
         Ok(written) => written,
         Err(e) => {
-            if matches!(&e, kube::Error::Api(s) if s.code == 409) {
-                // The store's version is stale: the next passes wait until it moves (or ask the
-                // apiserver after the TTL) instead of sending the same stale patch again.
+            // A 409: the store's version is stale. A lost answer: the write may have landed,
+            // and a pass deciding from a store without it would act again (a claim decided
+            // again claimed a second host). Either way the next passes wait until the store
+            // moves past `replaced` (or the apiserver says, after the TTL, that it will not).
+            if matches!(&e, kube::Error::Api(s) if s.code == 409) || may_have_landed(&e) {
                 ctx.expectations.conflicted_for(key, replaced, &writer);
             }
             return Err(write_error(format!("{kind} {name} {what}"))(e));
@@ -85,6 +87,20 @@ where
         &writer,
     );
     Ok(written)
+}
+
+/// Whether a write that failed with `e` may have been applied all the same: its answer was lost
+/// (the connection, the client's stack) or unreadable, or the apiserver failed after taking it
+/// (5xx). A refusal (4xx) or a request that was never sent changed nothing.
+fn may_have_landed(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(status) => status.code >= 500,
+        kube::Error::HyperError(_)
+        | kube::Error::Service(_)
+        | kube::Error::ReadEvents(_)
+        | kube::Error::SerdeError(_) => true,
+        _ => false,
+    }
 }
 
 /// A power action can be neither undone nor conditioned on a resourceVersion the way a write
@@ -653,5 +669,44 @@ mod tests {
         }
         let said = release_fault_message("m1", &fault("BmcUnreachable"));
         assert!(said.contains("could not power it off"), "{said}");
+    }
+
+    /// Which failed writes the next passes must treat as possibly applied.
+    #[test]
+    fn a_write_may_have_landed_unless_it_was_refused_or_never_sent() {
+        let status = |code| {
+            kube::Error::Api(
+                kube::core::Status::failure("m", "r")
+                    .with_code(code)
+                    .boxed(),
+            )
+        };
+        let rows = [
+            ("504 Gateway Timeout", status(504), true),
+            ("500 Internal Error", status(500), true),
+            ("503 Unavailable", status(503), true),
+            (
+                "connection lost before the answer",
+                kube::Error::Service("connection reset".into()),
+                true,
+            ),
+            (
+                "answer not JSON",
+                kube::Error::SerdeError(serde_json::from_str::<u8>("x").unwrap_err()),
+                true,
+            ),
+            ("409 Conflict (handled on its own)", status(409), false),
+            ("422 Invalid", status(422), false),
+            (
+                "429 Too Many Requests (priority and fairness)",
+                status(429),
+                false,
+            ),
+            ("404 Not Found", status(404), false),
+            ("never sent", kube::Error::TlsRequired, false),
+        ];
+        for (what, e, want) in rows {
+            assert_eq!(may_have_landed(&e), want, "{what}");
+        }
     }
 }
