@@ -192,13 +192,17 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         .get(&claim::consumer_key(&namespace, &name));
     hosts.retain(in_namespace);
     if hosts.is_empty() {
-        hosts = stores.host_index.get(&claim::free_key(&namespace));
         // Free in the store, but being claimed or just claimed by another machine of this
         // process: a claim of one would be refused (409). Kept when they are all there is.
-        let mut taken = ctx
-            .expectations
-            .written_by_others(&host_prefix, host_version, &mm_key);
-        taken.extend(ctx.claims_in_flight.in_namespace(&namespace));
+        // Read in this order, before the free hosts: a claim leaves the in-flight set only once
+        // its answer is an expectation, and that only once the store (and with it the index
+        // read below) shows the claim, so no claim slips between the reads.
+        let mut taken = ctx.claims_in_flight.in_namespace(&namespace);
+        taken.extend(
+            ctx.expectations
+                .written_by_others(&host_prefix, host_version, &mm_key),
+        );
+        hosts = stores.host_index.get(&claim::free_key(&namespace));
         let untaken =
             |h: &Arc<MetalHost>| !h.metadata.name.as_ref().is_some_and(|n| taken.contains(n));
         if !taken.is_empty() && hosts.iter().any(untaken) {
