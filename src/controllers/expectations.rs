@@ -50,6 +50,15 @@ const ANSWERED_PASS_WRITES: usize = 4;
 /// without its claim, and claim a second host.
 const LOSERS_KEPT: usize = 4;
 
+/// How a writer's write to an object went.
+#[derive(Clone, Copy)]
+enum Role {
+    /// Applied, or perhaps applied (its answer was lost).
+    Wrote,
+    /// Refused 409.
+    Lost,
+}
+
 struct Pending<A> {
     /// The resourceVersions our writes replaced since the store last caught up (None for a
     /// create), oldest first. All of them, not just the last: a pass that writes twice (status,
@@ -163,7 +172,12 @@ impl<A> Expectations<A> {
         if replaced.is_some() && replaced == written {
             return;
         }
-        self.record(key, replaced, Some(written), writer);
+        self.record(
+            key,
+            replaced,
+            Some(written),
+            writer.map(|w| (w, Role::Wrote)),
+        );
     }
 
     /// A write conditioned on `version` was answered 409: the store's copy at `version` is
@@ -176,7 +190,16 @@ impl<A> Expectations<A> {
 
     /// [`Expectations::conflicted`] on behalf of `writer`.
     pub fn conflicted_for(&self, key: String, version: Option<String>, writer: &str) {
-        self.record(key, version, None, Some(writer));
+        self.record(key, version, None, Some((writer, Role::Lost)));
+    }
+
+    /// A write conditioned on `version` whose answer was lost: it may have landed. As after a
+    /// 409, the store's copy at `version` is stale. But `writer` is kept among the writers, never
+    /// evicted as losers are (a machine whose claim may have landed must not decide from a store
+    /// without it), and for everyone else the object counts as written by it
+    /// ([`Expectations::written_by_others`]) until the store moves.
+    pub fn uncertain_for(&self, key: String, version: Option<String>, writer: &str) {
+        self.record(key, version, None, Some((writer, Role::Wrote)));
     }
 
     /// Adds `stale` to the versions the store must move past; with `written`, a write of ours
@@ -186,7 +209,7 @@ impl<A> Expectations<A> {
         key: String,
         stale: Option<String>,
         written: Option<Option<String>>,
-        writer: Option<&str>,
+        writer: Option<(&str, Role)>,
     ) {
         let Ok(mut pending) = self.pending.lock() else {
             return;
@@ -210,11 +233,11 @@ impl<A> Expectations<A> {
             answer: None,
         });
         entry.recorded = self.records.fetch_add(1, Ordering::Relaxed) + 1;
-        match (writer, written.is_some()) {
-            (Some(writer), true) if !entry.writers.iter().any(|w| w == writer) => {
+        match writer {
+            Some((writer, Role::Wrote)) if !entry.writers.iter().any(|w| w == writer) => {
                 entry.writers.push(writer.to_string());
             }
-            (Some(writer), false) if !entry.losers.iter().any(|w| w == writer) => {
+            Some((writer, Role::Lost)) if !entry.losers.iter().any(|w| w == writer) => {
                 if entry.losers.len() == LOSERS_KEPT {
                     entry.losers.remove(0);
                 }
@@ -981,6 +1004,33 @@ mod tests {
             e.first_unmet("H/ns/", caught_up, "M/ns/m4", |_| false),
             None
         );
+        assert!(e.is_empty());
+    }
+
+    /// A claim whose answer was lost may have landed: its machine waits for the host however
+    /// many others lose a race for it, and the others count the host as taken, until the store
+    /// moves.
+    #[test]
+    fn a_write_whose_answer_was_lost_keeps_its_writer_until_the_store_moves() {
+        let e = Expectations::<()>::default();
+        e.uncertain_for("H/ns/a".into(), Some("1".into()), "M/ns/m1");
+        for loser in ["M/ns/l1", "M/ns/l2", "M/ns/l3", "M/ns/l4", "M/ns/l5"] {
+            e.conflicted_for("H/ns/a".into(), Some("1".into()), loser);
+        }
+        let lagging = |_: &str| Some("1".to_string());
+        assert_eq!(
+            e.first_unmet("H/ns/", lagging, "M/ns/m1", |_| false),
+            Some(("H/ns/a".into(), Seen::Waiting)),
+            "not evicted by five losers"
+        );
+        assert_eq!(
+            e.written_by_others("H/ns/", lagging, "M/ns/m2"),
+            ["a".to_string()].into(),
+            "taken for the others"
+        );
+        assert!(e.written_by_others("H/ns/", lagging, "M/ns/m1").is_empty());
+        let moved = |_: &str| Some("2".to_string());
+        assert_eq!(e.first_unmet("H/ns/", moved, "M/ns/m1", |_| false), None);
         assert!(e.is_empty());
     }
 }

@@ -72,10 +72,12 @@ where
         Err(e) => {
             // A 409: the store's version is stale. A lost answer: the write may have landed,
             // and a pass deciding from a store without it would act again (a claim decided
-            // again claimed a second host). Either way the next passes wait until the store
+            // again could claim a second host). Either way the next passes wait until the store
             // moves past `replaced` (or the apiserver says, after the TTL, that it will not).
-            if matches!(&e, kube::Error::Api(s) if s.code == 409) || may_have_landed(&e) {
+            if matches!(&e, kube::Error::Api(s) if s.code == 409) {
                 ctx.expectations.conflicted_for(key, replaced, &writer);
+            } else if may_have_landed(&e) {
+                ctx.expectations.uncertain_for(key, replaced, &writer);
             }
             return Err(write_error(format!("{kind} {name} {what}"))(e));
         }
@@ -91,16 +93,30 @@ where
 
 /// Whether a write that failed with `e` may have been applied all the same: its answer was lost
 /// (the connection, the client's stack) or unreadable, or the apiserver failed after taking it
-/// (5xx). A refusal (4xx) or a request that was never sent changed nothing.
+/// (5xx). A refusal (4xx) or a request that was never sent (no connection) changed nothing.
 fn may_have_landed(e: &kube::Error) -> bool {
     match e {
         kube::Error::Api(status) => status.code >= 500,
-        kube::Error::HyperError(_)
-        | kube::Error::Service(_)
-        | kube::Error::ReadEvents(_)
-        | kube::Error::SerdeError(_) => true,
+        kube::Error::Service(source) => !never_connected(source.as_ref()),
+        kube::Error::HyperError(_) | kube::Error::ReadEvents(_) | kube::Error::SerdeError(_) => {
+            true
+        }
         _ => false,
     }
+}
+
+/// Whether the client failed to connect, so the request never left.
+fn never_connected(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.downcast_ref::<hyper_util::client::legacy::Error>()
+            .is_some_and(hyper_util::client::legacy::Error::is_connect)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// A power action can be neither undone nor conditioned on a resourceVersion the way a write
@@ -708,5 +724,26 @@ mod tests {
         for (what, e, want) in rows {
             assert_eq!(may_have_landed(&e), want, "{what}");
         }
+    }
+
+    /// A write to an apiserver nobody listens for was never sent, so nothing waits for it.
+    #[tokio::test]
+    async fn a_write_without_a_connection_never_landed() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let config = kube::Config::new(url.parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let hosts: Api<MetalHost> = Api::namespaced(client, "ns");
+        let e = hosts
+            .patch(
+                "h",
+                &kube::api::PatchParams::default(),
+                &Patch::Merge(serde_json::json!({})),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, kube::Error::Service(_)), "{e:?}");
+        assert!(!may_have_landed(&e), "{e:?}");
     }
 }
