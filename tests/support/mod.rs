@@ -160,14 +160,7 @@ pub async fn client_losing_one_answer(
     matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
     late: std::time::Duration,
 ) -> LosingClient {
-    let plane = control_plane();
-    let config = kube::Config::from_custom_kubeconfig(
-        plane.kubeconfig.clone(),
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await
-    .expect("kubeconfig of the test control plane");
-    let inner = kube::Client::try_from(config).expect("client of the test control plane");
+    let inner = client().await;
     let namespace = inner.default_namespace().to_string();
     let (answered, late_answer) = tokio::sync::watch::channel(None);
     let picked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
