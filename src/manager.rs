@@ -568,6 +568,7 @@ async fn start_infrastructure(
         watch_filter: watch_filter.clone(),
         power_requests: Default::default(),
         power_ons: Default::default(),
+        unrecorded_power: Default::default(),
         expectations: Default::default(),
         fresh_secrets: Default::default(),
         pass_locks: Default::default(),

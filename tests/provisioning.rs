@@ -475,6 +475,40 @@ async fn a_claim_whose_answer_was_lost_is_waited_for_not_sent_again() {
     );
 }
 
+/// The note of a power-on is a write, and can be refused after the BMC already acted: here the
+/// apiserver sheds it (429, as API Priority and Fairness does under load). The store then still
+/// says "not powered for this attempt"; the next pass writes the note alone, and the booting
+/// host is not power-cycled.
+#[tokio::test]
+async fn a_power_on_whose_note_was_refused_is_noted_not_sent_again() {
+    use std::sync::atomic::Ordering;
+
+    let lab = lab("unnoted", 1).await;
+    lab.host(0).await;
+    let notes = |method: &http::Method, path: &str| {
+        method == http::Method::PATCH && path.ends_with("/secrets/m1-boot")
+    };
+    let throttling = support::client_throttling_one_request(notes).await;
+    let _manager = metalboot::manager::start(
+        throttling.client.clone(),
+        hostlab::manager_options(&lab.ns.name),
+    )
+    .await
+    .expect("manager starts");
+    lab.machine("m1", None, None).await;
+    powered_for_m1(&lab, "the power-on noted after its note was refused once").await;
+    assert!(
+        throttling.picked.load(Ordering::SeqCst) >= 2,
+        "the first note was refused, a later one landed"
+    );
+    assert_eq!(
+        lab.resets(),
+        1,
+        "one power action in all: {:?}",
+        lab.posts()
+    );
+}
+
 #[tokio::test]
 async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle() {
     let lab = lab("restart", 1).await;
@@ -910,6 +944,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         watch_filter: None,
         power_requests: Default::default(),
         power_ons: Default::default(),
+        unrecorded_power: Default::default(),
         expectations,
         fresh_secrets: Default::default(),
         pass_locks: Default::default(),

@@ -64,6 +64,9 @@ pub async fn sweep(hosts: &HostContext, machines: &MachineContext, boot: &BootSt
     machines
         .power_ons
         .retain(|k| live_machine_objects.contains(k));
+    machines
+        .unrecorded_power
+        .retain(|k| live_machine_objects.contains(k));
     machines.expectations.expire();
     hosts.expectations.expire();
     boot.retain_pins(|secret| live_boot_secrets.contains(secret));

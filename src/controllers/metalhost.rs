@@ -73,7 +73,7 @@ pub fn plan(
     poll_interval: Duration,
     last_read: Option<jiff::Timestamp>,
 ) -> HostPlan {
-    if host.annotations().contains_key(HOST_PAUSED_ANNOTATION) {
+    if paused(host) {
         return HostPlan::Paused;
     }
     let status = host.status.clone().unwrap_or_default();
@@ -96,6 +96,23 @@ pub fn plan(
     } else {
         HostPlan::Wait(Duration::from_secs((interval - since_check).max(1) as u64))
     }
+}
+
+/// A paused host is left as it is: the controller writes only its Paused condition.
+fn paused(host: &MetalHost) -> bool {
+    host.annotations().contains_key(HOST_PAUSED_ANNOTATION)
+}
+
+/// The state this controller writes for the host when its consumer is `consumer`: None when it
+/// writes none (a paused host, or one with no status yet, which registers first). Other
+/// controllers that wait for this one ask here rather than restate its rules.
+pub fn state_it_writes(host: &MetalHost, consumer: Consumer) -> Option<HostState> {
+    if paused(host) {
+        return None;
+    }
+    host.status
+        .as_ref()
+        .map(|status| desired_state(host, status, consumer))
 }
 
 /// The consumer named by `spec.consumerRef`, as the MetalMachine store has it.

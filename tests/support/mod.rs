@@ -168,7 +168,31 @@ pub async fn client_losing_one_answer(
         inner,
         matches: std::sync::Arc::new(matches),
         picked: picked.clone(),
-        late,
+        fate: Fate::AnswerLost { late },
+        answered: std::sync::Arc::new(answered),
+    };
+    LosingClient {
+        client: kube::Client::new(service, namespace),
+        late_answer,
+        picked,
+    }
+}
+
+/// A client of the shared control plane whose first request `matches` picks never reaches the
+/// apiserver: it is answered 429 Too Many Requests, as API Priority and Fairness answers a
+/// request it sheds. `picked` counts the requests picked, the throttled one included.
+pub async fn client_throttling_one_request(
+    matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
+) -> LosingClient {
+    let inner = client().await;
+    let namespace = inner.default_namespace().to_string();
+    let (answered, late_answer) = tokio::sync::watch::channel(None);
+    let picked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let service = LosesOneAnswer {
+        inner,
+        matches: std::sync::Arc::new(matches),
+        picked: picked.clone(),
+        fate: Fate::Throttled,
         answered: std::sync::Arc::new(answered),
     };
     LosingClient {
@@ -181,12 +205,21 @@ pub async fn client_losing_one_answer(
 /// Which requests a [`LosesOneAnswer`] picks, by method and path.
 type Picks = dyn Fn(&http::Method, &str) -> bool + Send + Sync;
 
+/// What becomes of the request a [`LosesOneAnswer`] picks.
+#[derive(Clone, Copy)]
+enum Fate {
+    /// Applied `late` after its writer was told the connection was lost.
+    AnswerLost { late: std::time::Duration },
+    /// Never applied: answered 429.
+    Throttled,
+}
+
 #[derive(Clone)]
 struct LosesOneAnswer {
     inner: kube::Client,
     matches: std::sync::Arc<Picks>,
     picked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    late: std::time::Duration,
+    fate: Fate,
     answered: std::sync::Arc<tokio::sync::watch::Sender<Option<u16>>>,
 }
 
@@ -209,7 +242,23 @@ impl tower::Service<http::Request<kube::client::Body>> for LosesOneAnswer {
         if !lose {
             return Box::pin(async move { inner.send(request).await.map_err(Into::into) });
         }
-        let (late, answered) = (self.late, self.answered.clone());
+        let late = match self.fate {
+            Fate::AnswerLost { late } => late,
+            Fate::Throttled => {
+                let status = serde_json::json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": "too many requests (injected by the test)",
+                    "reason": "TooManyRequests", "code": 429,
+                });
+                let response = http::Response::builder()
+                    .status(429)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(status.to_string().into_bytes()))
+                    .map_err(Into::into);
+                return Box::pin(async move { response });
+            }
+        };
+        let answered = self.answered.clone();
         tokio::spawn(async move {
             tokio::time::sleep(late).await;
             let status = match inner.send(request).await {

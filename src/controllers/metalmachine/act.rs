@@ -16,7 +16,7 @@ use crate::controllers::expectations::object_key;
 use crate::controllers::power::Fault;
 use crate::controllers::{ReconcileError, merge_params};
 
-use super::decide::Step;
+use super::decide::{PoweredFor, Step, UnrecordedPower};
 use super::observe::{BootObservation, Observed, OwnerObservation};
 use super::{ADDRESSES_ANNOTATION, FIELD_MANAGER, FINALIZER, MachineContext};
 
@@ -157,6 +157,57 @@ async fn fence_power(
     Err(ActError::Conflict(format!(
         "Secret {name} changed since the decision"
     )))
+}
+
+/// The record of a power action just sent for the attempt `o` decided from.
+fn sent_for(o: &Observed, kind: PoweredFor) -> Result<UnrecordedPower, ActError> {
+    let (BootObservation::Record(record), Some(secret)) = (&o.boot, &o.boot_secret) else {
+        return Err(ActError::Conflict("boot Secret gone".into()));
+    };
+    Ok(UnrecordedPower {
+        secret_uid: secret.uid().unwrap_or_default(),
+        attempt: record.attempt,
+        at: o.now,
+        kind,
+    })
+}
+
+/// Notes a power action on the boot Secret, conditioned on the version decided from; once
+/// written, the action is no longer kept as unrecorded.
+async fn note_power(
+    ctx: &MachineContext,
+    o: &Observed,
+    secrets: &Api<Secret>,
+    boot_name: &str,
+    sent: &UnrecordedPower,
+) -> Result<(), ActError> {
+    let BootObservation::Record(record) = &o.boot else {
+        return Err(ActError::Conflict("boot Secret gone".into()));
+    };
+    let (patch, what) = match sent.kind {
+        PoweredFor::NetworkBoot(boot_once) => {
+            (tokens::powered_patch(sent.at, boot_once), "powered-at")
+        }
+        PoweredFor::DiskBoot => (tokens::disk_boot_patch(sent.at), "disk-boot-at"),
+    };
+    let replaced = record.resource_version.clone();
+    patch_from(
+        ctx,
+        o.mm.as_ref(),
+        secrets,
+        boot_name,
+        replaced,
+        patch,
+        what,
+    )
+    .await?;
+    let key = object_key(
+        "MetalMachine",
+        &o.mm.namespace().unwrap_or_default(),
+        &o.mm.name_any(),
+    );
+    ctx.unrecorded_power.remove(&key);
+    Ok(())
 }
 
 fn host_named<'a>(o: &'a Observed, name: &str) -> Result<&'a MetalHost, ActError> {
@@ -323,9 +374,10 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_ons.record(&mm_key, action);
-            let patch = tokens::powered_patch(o.now, boot_once);
-            let replaced = record.resource_version.clone();
-            patch_from(ctx, mm, &secrets, &boot_name, replaced, patch, "powered-at").await?;
+            let sent = sent_for(o, PoweredFor::NetworkBoot(boot_once))?;
+            ctx.unrecorded_power.insert(&mm_key, sent.clone());
+            // The Event says what the BMC did, whether or not the note landed.
+            let noted = note_power(ctx, o, &secrets, &boot_name, &sent).await;
             let (reason, note) = match record.clean {
                 Some(mode) => (
                     "CleaningStarted",
@@ -341,6 +393,10 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 ),
             };
             ctx.events.publish(mm, false, reason, note).await;
+            noted.map(|()| Acted::default())
+        }
+        Step::RecordPower(sent) => {
+            note_power(ctx, o, &secrets, &boot_name, sent).await?;
             Ok(Acted::default())
         }
         Step::StartCleaning { host, mode } => {
@@ -447,16 +503,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_ons.record(&mm_key, PowerAction::Cycle);
-            patch_from(
-                ctx,
-                mm,
-                &secrets,
-                &boot_name,
-                record.resource_version.clone(),
-                tokens::disk_boot_patch(o.now),
-                "disk-boot-at",
-            )
-            .await?;
+            let sent = sent_for(o, PoweredFor::DiskBoot)?;
+            ctx.unrecorded_power.insert(&mm_key, sent.clone());
+            let noted = note_power(ctx, o, &secrets, &boot_name, &sent).await;
             ctx.events
                 .publish(
                     mm,
@@ -468,7 +517,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                     ),
                 )
                 .await;
-            Ok(Acted::default())
+            noted.map(|()| Acted::default())
         }
         Step::ArmNextBoot { host, netboot } => {
             // The next power-on network-boots the OS again. Best effort, as for image mode's

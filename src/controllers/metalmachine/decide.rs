@@ -15,7 +15,7 @@ use crate::api::metalmachine::ProvisioningMode;
 use crate::api::metalmachine::{
     HostReference, MachineInitialization, MetalMachinePhase, MetalMachineStatus,
 };
-use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine, PAUSED_ANNOTATION};
+use crate::api::{MetalHost, MetalMachine, PAUSED_ANNOTATION};
 use crate::bmc::PowerAction;
 use crate::boot::tokens::{BootRecord, CallbackRecord};
 use crate::controllers::conditions::{self, Want};
@@ -73,6 +73,9 @@ pub enum Step {
     RestartToDisk {
         host: String,
     },
+    /// Note on the boot Secret a power action already sent for this attempt whose note was
+    /// refused or lost (see [`UnrecordedPower`]): the write alone, no BMC call.
+    RecordPower(UnrecordedPower),
     /// Replace (or create) the boot Secret with a cleaning attempt for the released host: a fresh
     /// token that boots the deploy agent to wipe its disks; the provisioning token dies.
     StartCleaning {
@@ -101,6 +104,47 @@ pub enum Step {
         resource_version: String,
         fault: Option<Fault>,
     },
+}
+
+/// A power action this manager sent for the current attempt (by boot Secret UID and attempt)
+/// whose note on the boot Secret (`poweredAt`, `diskBootAt`) has not been written. The action
+/// cannot be conditioned on a resourceVersion, the note can: a note refused (a 409 from a boot
+/// service write, a 429 from a throttled apiserver) left a store that says "not powered yet",
+/// and the next pass powered the host again, cycling it mid-boot. Kept in memory until the
+/// note is written; after a restart the action is sent once more, as every power request is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnrecordedPower {
+    pub secret_uid: String,
+    pub attempt: u32,
+    pub at: jiff::Timestamp,
+    pub kind: PoweredFor,
+}
+
+/// What an [`UnrecordedPower`] started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoweredFor {
+    /// The one-time network boot of the attempt (provisioning or cleaning), with how the BMC
+    /// kept the override, when it was read back.
+    NetworkBoot(Option<BootOnce>),
+    /// Image mode: the restart into the written disk.
+    DiskBoot,
+}
+
+/// The step that powers the host for `kind`, unless this manager already did for this attempt
+/// and only the note is missing: then the note alone.
+fn power_step(o: &Observed, kind: PoweredFor, send: Step) -> Step {
+    match &o.unrecorded_power {
+        Some(sent)
+            if matches!(
+                (sent.kind, kind),
+                (PoweredFor::NetworkBoot(_), PoweredFor::NetworkBoot(_))
+                    | (PoweredFor::DiskBoot, PoweredFor::DiskBoot)
+            ) =>
+        {
+            Step::RecordPower(sent.clone())
+        }
+        _ => send,
+    }
 }
 
 /// An Event to publish once the step succeeded.
@@ -749,9 +793,13 @@ fn decide_image(
                 format!("attempt {attempt}: image written; restarting MetalHost {host_name} into its disk"),
             ));
             draft.set(provisioning);
-            let step = Step::RestartToDisk {
-                host: host_name.to_string(),
-            };
+            let step = power_step(
+                o,
+                PoweredFor::DiskBoot,
+                Step::RestartToDisk {
+                    host: host_name.to_string(),
+                },
+            );
             return ImageGate::Decided(Decision::new(draft.done(), step, Some(BOOT_POLL)));
         }
         // The agent is writing and reporting: its silence bound, not the boot timeout, applies.
@@ -865,10 +913,14 @@ fn decide_boot(o: &Observed, mut draft: StatusDraft, host: &MetalHost) -> Decisi
                 "Provisioning",
                 format!("booting MetalHost {host_name}"),
             ));
-            let step = Step::PowerOn {
-                host: host_name,
-                attempt: record.attempt,
-            };
+            let step = power_step(
+                o,
+                PoweredFor::NetworkBoot(None),
+                Step::PowerOn {
+                    host: host_name,
+                    attempt: record.attempt,
+                },
+            );
             Decision::new(draft.done(), step, Some(BOOT_POLL))
         }
         BootStep::Wait(remaining) => {
@@ -1041,17 +1093,12 @@ pub const DELETE_FOR_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/delete
 /// How long a release waits for the MetalHost controller to show it saw the deletion.
 pub const HOST_REACTION_WAIT: Duration = Duration::from_secs(30);
 
-/// Whether the MetalHost controller has yet to write the state it derives from its consumer's
-/// deletion (its own rule, [`crate::controllers::metalhost::desired_state`]: Deprovisioning for a
-/// registered host, nothing for one whose registration failed). It writes nothing for a paused
-/// host.
+/// Whether the MetalHost controller has yet to write the state it writes once it saw its
+/// consumer's deletion (its own rule, [`crate::controllers::metalhost::state_it_writes`]).
 fn host_yet_to_see_deletion(host: &MetalHost) -> bool {
-    use crate::controllers::metalhost::{Consumer, desired_state};
-    !host.annotations().contains_key(HOST_PAUSED_ANNOTATION)
-        && host
-            .status
-            .as_ref()
-            .is_some_and(|s| s.state != Some(desired_state(host, s, Consumer::Deleting)))
+    use crate::controllers::metalhost::{Consumer, state_it_writes};
+    state_it_writes(host, Consumer::Deleting)
+        .is_some_and(|state| host.status.as_ref().and_then(|s| s.state) != Some(state))
 }
 
 fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Decision {
@@ -1126,10 +1173,14 @@ fn decide_deletion(o: &Observed, mut draft: StatusDraft, policy: &Policy) -> Dec
                         "netbooting MetalHost {host_name} into the deploy agent to wipe its disks"
                     ),
                 ));
-                let step = Step::PowerOn {
-                    host: host_name,
-                    attempt: r.attempt,
-                };
+                let step = power_step(
+                    o,
+                    PoweredFor::NetworkBoot(None),
+                    Step::PowerOn {
+                        host: host_name,
+                        attempt: r.attempt,
+                    },
+                );
                 return Decision::new(draft.done(), step, Some(Duration::from_secs(10)));
             }
             CleanStep::Waiting(message) => {
@@ -1423,7 +1474,18 @@ mod tests {
             power: None,
             last_power_off: None,
             last_power_on: None,
+            unrecorded_power: None,
         }
+    }
+
+    /// A power action sent for the attempt, whose note on the boot Secret was refused.
+    fn unrecorded(kind: PoweredFor) -> Option<UnrecordedPower> {
+        Some(UnrecordedPower {
+            secret_uid: "secret-uid".into(),
+            attempt: 1,
+            at: at(-3),
+            kind,
+        })
     }
 
     fn claimed(mut o: Observed) -> Observed {
@@ -1671,6 +1733,34 @@ mod tests {
                 "10. minted, not powered: power on",
                 Observed {
                     boot: BootObservation::Record(Box::new(record(1, None, false))),
+                    ..claimed(observed())
+                },
+                "Provisioning",
+                Step::PowerOn {
+                    host: "h1".into(),
+                    attempt: 1,
+                },
+            ),
+            (
+                "10. powered on, the note of it refused: the note alone, never a second power-on",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, None, false))),
+                    unrecorded_power: unrecorded(PoweredFor::NetworkBoot(None)),
+                    ..claimed(observed())
+                },
+                "Provisioning",
+                Step::RecordPower(UnrecordedPower {
+                    secret_uid: "secret-uid".into(),
+                    attempt: 1,
+                    at: at(-3),
+                    kind: PoweredFor::NetworkBoot(None),
+                }),
+            ),
+            (
+                "10. restarted into its disk (unnoted), now not powered for the attempt: power on",
+                Observed {
+                    boot: BootObservation::Record(Box::new(record(1, None, false))),
+                    unrecorded_power: unrecorded(PoweredFor::DiskBoot),
                     ..claimed(observed())
                 },
                 "Provisioning",
@@ -2184,8 +2274,10 @@ mod tests {
                 {
                     let mut o = off_in(HostState::Provisioned, 1);
                     let mut h = (*o.hosts[0]).clone();
-                    h.annotations_mut()
-                        .insert(HOST_PAUSED_ANNOTATION.to_string(), String::new());
+                    h.annotations_mut().insert(
+                        crate::api::HOST_PAUSED_ANNOTATION.to_string(),
+                        String::new(),
+                    );
                     o.hosts = vec![Arc::new(h)];
                     o
                 },
@@ -2419,6 +2511,20 @@ mod tests {
                 },
             ),
             (
+                "cleaning attempt netbooted, the note of it refused: the note alone",
+                Observed {
+                    unrecorded_power: unrecorded(PoweredFor::NetworkBoot(None)),
+                    ..image(true, cleaning(None, None), 100)
+                },
+                "Cleaning",
+                Step::RecordPower(UnrecordedPower {
+                    secret_uid: "secret-uid".into(),
+                    attempt: 1,
+                    at: at(-3),
+                    kind: PoweredFor::NetworkBoot(None),
+                }),
+            ),
+            (
                 "agent not heard from, inside the cleaning timeout: wait",
                 image(true, cleaning(Some(50), None), 100),
                 "Cleaning",
@@ -2620,6 +2726,21 @@ mod tests {
                 image(1, Some(report(DeployState::Written, None, 60)), None, 61),
                 "BootingInstalledOS",
                 Step::RestartToDisk { host: host() },
+                None,
+            ),
+            (
+                "written, restarted, the note of the restart refused: the note alone",
+                Observed {
+                    unrecorded_power: unrecorded(PoweredFor::DiskBoot),
+                    ..image(1, Some(report(DeployState::Written, None, 60)), None, 61)
+                },
+                "BootingInstalledOS",
+                Step::RecordPower(UnrecordedPower {
+                    secret_uid: "secret-uid".into(),
+                    attempt: 1,
+                    at: at(-3),
+                    kind: PoweredFor::DiskBoot,
+                }),
                 None,
             ),
             (

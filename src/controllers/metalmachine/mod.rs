@@ -39,6 +39,7 @@ use crate::kubeconn::gate::Priority;
 use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key};
 use super::hostbmc::BmcConnector;
+use super::per_object::PerObject;
 use super::power::PowerRequests;
 use super::{Backoff, Events, ReconcileError, SharedStores, Subscriptions, passes_watch_filter};
 use act::ActError;
@@ -138,6 +139,9 @@ pub struct MachineContext {
     /// The power-on (or cycle) last sent for each machine, and when: a BMC applies it
     /// asynchronously, so deprovisioning does not trust an Off read until it had time to land.
     pub power_ons: PowerRequests,
+    /// Power actions sent whose note on the boot Secret is not written yet (see
+    /// [`decide::UnrecordedPower`]).
+    pub unrecorded_power: PerObject<decide::UnrecordedPower>,
     /// Writes the stores have not shown yet, with the answers to this controller's MetalMachine
     /// writes (a pass decides from those instead of waiting for the watch).
     pub expectations: Expectations<MetalMachine>,

@@ -67,6 +67,9 @@ pub struct Observed {
     pub last_power_off: Option<(PowerAction, Duration)>,
     /// Deletion only: how long ago this controller last sent the host a power-on or cycle.
     pub last_power_on: Option<Duration>,
+    /// A power action this manager sent for the attempt in `boot` whose note on the boot Secret
+    /// is missing (only when it is for that Secret and attempt).
+    pub unrecorded_power: Option<super::decide::UnrecordedPower>,
 }
 
 /// The outcome of observing.
@@ -262,6 +265,15 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
             Err(e) => BootObservation::Unreadable(e.to_string()),
         },
     };
+    let unrecorded_power = match (&boot, &boot_secret) {
+        (BootObservation::Record(record), Some(secret)) => {
+            ctx.unrecorded_power.get(&mm_key).filter(|sent| {
+                secret.metadata.uid.as_deref() == Some(sent.secret_uid.as_str())
+                    && record.attempt == sent.attempt
+            })
+        }
+        _ => None,
+    };
     let deprovisioning =
         mm.metadata.deletion_timestamp.is_some() && mm.finalizers().iter().any(|f| f == FINALIZER);
     let (power, last_power_off) = match claim::claimed_host(&hosts, &mm) {
@@ -287,5 +299,6 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         power,
         last_power_off,
         last_power_on: ctx.power_ons.last(&mm_key).map(|(_, ago)| ago),
+        unrecorded_power,
     }))
 }
