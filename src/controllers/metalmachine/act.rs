@@ -164,12 +164,12 @@ fn sent_for(o: &Observed, kind: PoweredFor) -> Result<UnrecordedPower, ActError>
     let (BootObservation::Record(record), Some(secret)) = (&o.boot, &o.boot_secret) else {
         return Err(ActError::Conflict("boot Secret gone".into()));
     };
-    Ok(UnrecordedPower {
-        secret_uid: secret.uid().unwrap_or_default(),
-        attempt: record.attempt,
-        at: o.now,
+    Ok(UnrecordedPower::for_attempt(
+        secret.metadata.uid.as_deref(),
+        record,
+        o.now,
         kind,
-    })
+    ))
 }
 
 /// Notes a power action on the boot Secret, conditioned on the version decided from; once

@@ -111,13 +111,51 @@ pub enum Step {
 /// cannot be conditioned on a resourceVersion, the note can: a note refused (a 409 from a boot
 /// service write, a 429 from a throttled apiserver) left a store that says "not powered yet",
 /// and the next pass powered the host again, cycling it mid-boot. Kept in memory until the
-/// note is written; after a restart the action is sent once more, as every power request is.
+/// note is written or the store shows it; after a restart the action is sent once more, as
+/// every power request is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnrecordedPower {
     pub secret_uid: String,
     pub attempt: u32,
+    /// A cleaning attempt replaces the provisioning one in the same Secret (same UID), and
+    /// counts its attempts from 1 again.
+    pub cleaning: bool,
     pub at: jiff::Timestamp,
     pub kind: PoweredFor,
+}
+
+impl UnrecordedPower {
+    /// The record of the attempt this action was sent for, of `secret` (its UID).
+    pub fn for_attempt(
+        secret_uid: Option<&str>,
+        record: &BootRecord,
+        at: jiff::Timestamp,
+        kind: PoweredFor,
+    ) -> Self {
+        UnrecordedPower {
+            secret_uid: secret_uid.unwrap_or_default().to_string(),
+            attempt: record.attempt,
+            cleaning: record.clean.is_some(),
+            at,
+            kind,
+        }
+    }
+
+    /// Whether this action was sent for the attempt `record` describes.
+    pub fn is_for(&self, secret_uid: Option<&str>, record: &BootRecord) -> bool {
+        secret_uid == Some(self.secret_uid.as_str())
+            && record.attempt == self.attempt
+            && record.clean.is_some() == self.cleaning
+    }
+
+    /// Whether `record` already carries this action's note (a write whose answer was lost, or
+    /// a later one): then nothing is left to record.
+    pub fn noted_in(&self, record: &BootRecord) -> bool {
+        match self.kind {
+            PoweredFor::NetworkBoot(_) => record.powered_at.is_some(),
+            PoweredFor::DiskBoot => record.disk_boot_at.is_some(),
+        }
+    }
 }
 
 /// What an [`UnrecordedPower`] started.
@@ -1480,12 +1518,56 @@ mod tests {
 
     /// A power action sent for the attempt, whose note on the boot Secret was refused.
     fn unrecorded(kind: PoweredFor) -> Option<UnrecordedPower> {
-        Some(UnrecordedPower {
-            secret_uid: "secret-uid".into(),
-            attempt: 1,
-            at: at(-3),
+        Some(UnrecordedPower::for_attempt(
+            Some("secret-uid"),
+            &record(1, None, false),
+            at(-3),
             kind,
-        })
+        ))
+    }
+
+    /// An unnoted power action belongs to one attempt: not to the next, nor to the cleaning
+    /// attempt that replaces it in the same Secret, nor to another Secret of the same name.
+    #[test]
+    fn an_unnoted_power_action_belongs_to_its_attempt_until_noted() {
+        let network = PoweredFor::NetworkBoot(None);
+        let sent =
+            UnrecordedPower::for_attempt(Some("uid-1"), &record(1, None, false), at(0), network);
+        let cleaning = {
+            let mut r = record(1, None, false);
+            r.clean = Some(WipeMode::Metadata);
+            r
+        };
+        let rows = [
+            (
+                "the same attempt",
+                Some("uid-1"),
+                record(1, None, false),
+                true,
+            ),
+            (
+                "the next attempt",
+                Some("uid-1"),
+                record(2, None, false),
+                false,
+            ),
+            ("the cleaning attempt", Some("uid-1"), cleaning, false),
+            ("a new Secret", Some("uid-2"), record(1, None, false), false),
+            ("no UID", None, record(1, None, false), false),
+        ];
+        for (what, uid, r, want) in rows {
+            assert_eq!(sent.is_for(uid, &r), want, "{what}");
+        }
+        assert!(!sent.noted_in(&record(1, None, false)));
+        assert!(sent.noted_in(&record(1, Some(0), false)));
+        let disk = UnrecordedPower {
+            kind: PoweredFor::DiskBoot,
+            ..sent
+        };
+        assert!(
+            !disk.noted_in(&record(1, Some(0), false)),
+            "powered, not restarted"
+        );
     }
 
     fn claimed(mut o: Observed) -> Observed {
@@ -1749,12 +1831,7 @@ mod tests {
                     ..claimed(observed())
                 },
                 "Provisioning",
-                Step::RecordPower(UnrecordedPower {
-                    secret_uid: "secret-uid".into(),
-                    attempt: 1,
-                    at: at(-3),
-                    kind: PoweredFor::NetworkBoot(None),
-                }),
+                Step::RecordPower(unrecorded(PoweredFor::NetworkBoot(None)).unwrap()),
             ),
             (
                 "10. restarted into its disk (unnoted), now not powered for the attempt: power on",
@@ -2517,12 +2594,7 @@ mod tests {
                     ..image(true, cleaning(None, None), 100)
                 },
                 "Cleaning",
-                Step::RecordPower(UnrecordedPower {
-                    secret_uid: "secret-uid".into(),
-                    attempt: 1,
-                    at: at(-3),
-                    kind: PoweredFor::NetworkBoot(None),
-                }),
+                Step::RecordPower(unrecorded(PoweredFor::NetworkBoot(None)).unwrap()),
             ),
             (
                 "agent not heard from, inside the cleaning timeout: wait",
@@ -2735,12 +2807,7 @@ mod tests {
                     ..image(1, Some(report(DeployState::Written, None, 60)), None, 61)
                 },
                 "BootingInstalledOS",
-                Step::RecordPower(UnrecordedPower {
-                    secret_uid: "secret-uid".into(),
-                    attempt: 1,
-                    at: at(-3),
-                    kind: PoweredFor::DiskBoot,
-                }),
+                Step::RecordPower(unrecorded(PoweredFor::DiskBoot).unwrap()),
                 None,
             ),
             (

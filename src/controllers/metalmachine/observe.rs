@@ -265,12 +265,16 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
             Err(e) => BootObservation::Unreadable(e.to_string()),
         },
     };
-    let unrecorded_power = match (&boot, &boot_secret) {
-        (BootObservation::Record(record), Some(secret)) => {
-            ctx.unrecorded_power.get(&mm_key).filter(|sent| {
-                secret.metadata.uid.as_deref() == Some(sent.secret_uid.as_str())
-                    && record.attempt == sent.attempt
-            })
+    let unrecorded_power = match (&boot, &boot_secret, ctx.unrecorded_power.get(&mm_key)) {
+        (BootObservation::Record(record), Some(secret), Some(sent))
+            if sent.is_for(secret.metadata.uid.as_deref(), record) =>
+        {
+            if sent.noted_in(record) {
+                ctx.unrecorded_power.remove(&mm_key);
+                None
+            } else {
+                Some(sent)
+            }
         }
         _ => None,
     };
