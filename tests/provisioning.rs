@@ -475,10 +475,11 @@ async fn a_claim_whose_answer_was_lost_is_waited_for_not_sent_again() {
     );
 }
 
-/// The note of a power-on is a write, and can be refused after the BMC already acted: here the
-/// apiserver sheds it (429, as API Priority and Fairness does under load). The store then still
-/// says "not powered for this attempt"; the next pass writes the note alone, and the booting
-/// host is not power-cycled.
+/// The note of a power-on is a write, and can be refused after the BMC already acted: by a 409
+/// when the boot service wrote the Secret in between, or by a 429 from an overloaded apiserver
+/// that outlasted the client's own retries. Here the apiserver is made to shed it (429, without
+/// the client's retries). The store then still says "not powered for this attempt"; the next
+/// pass writes the note alone, and the booting host is not power-cycled.
 #[tokio::test]
 async fn a_power_on_whose_note_was_refused_is_noted_not_sent_again() {
     use std::sync::atomic::Ordering;

@@ -180,7 +180,8 @@ pub async fn client_losing_one_answer(
 
 /// A client of the shared control plane whose first request `matches` picks never reaches the
 /// apiserver: it is answered 429 Too Many Requests, as API Priority and Fairness answers a
-/// request it sheds. `picked` counts the requests picked, the throttled one included.
+/// request it sheds once the client's own retries (kube's default policy, inside the wrapped
+/// client) are spent. `picked` counts the requests picked, the throttled one included.
 pub async fn client_throttling_one_request(
     matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
 ) -> LosingClient {
