@@ -197,6 +197,7 @@ pub struct HeldCounts {
     pub host_power_readings: usize,
     pub machine_power_requests: usize,
     pub machine_power_ons: usize,
+    pub machine_unrecorded_power: usize,
     /// Machines with a pass holding or awaiting their turn (none at rest).
     pub machine_pass_locks: usize,
 }
@@ -208,6 +209,7 @@ impl Held {
             host_power_readings: self.hosts.power_readings.len(),
             machine_power_requests: self.machines.power_requests.len(),
             machine_power_ons: self.machines.power_ons.len(),
+            machine_unrecorded_power: self.machines.unrecorded_power.len(),
             machine_pass_locks: self.machines.pass_locks.len(),
         }
     }

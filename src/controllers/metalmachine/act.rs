@@ -288,6 +288,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 ctx.expectations.forget(&boot_key);
                 ctx.power_requests.forget(&mm_key);
                 ctx.power_ons.forget(&mm_key);
+                ctx.unrecorded_power.remove(&mm_key);
                 ctx.backoff.reset(&crate::controllers::key(mm));
             }
             Ok(Acted::default())

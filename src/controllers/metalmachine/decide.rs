@@ -120,8 +120,22 @@ pub struct UnrecordedPower {
     /// A cleaning attempt replaces the provisioning one in the same Secret (same UID), and
     /// counts its attempts from 1 again.
     pub cleaning: bool,
+    /// The attempt's token, by its non-secret fingerprint: every attempt, cleaning and boot
+    /// has a fresh one, also when a Secret is replaced under the same UID and attempt.
+    pub token: String,
     pub at: jiff::Timestamp,
     pub kind: PoweredFor,
+}
+
+/// What an [`UnrecordedPower`] is to the attempt the store shows now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeptPower {
+    /// Sent for this attempt, not noted on it yet: decide notes it instead of acting again.
+    Unnoted,
+    /// Sent for this attempt, and the record carries the note: nothing is left to keep.
+    Noted,
+    /// Sent for another attempt (or Secret): it says nothing about this one.
+    OtherAttempt,
 }
 
 impl UnrecordedPower {
@@ -136,24 +150,26 @@ impl UnrecordedPower {
             secret_uid: secret_uid.unwrap_or_default().to_string(),
             attempt: record.attempt,
             cleaning: record.clean.is_some(),
+            token: record.token.fingerprint(),
             at,
             kind,
         }
     }
 
-    /// Whether this action was sent for the attempt `record` describes.
-    pub fn is_for(&self, secret_uid: Option<&str>, record: &BootRecord) -> bool {
-        secret_uid == Some(self.secret_uid.as_str())
+    /// This action, against the attempt `record` of the Secret whose UID is `secret_uid`.
+    pub fn against(&self, secret_uid: Option<&str>, record: &BootRecord) -> KeptPower {
+        let same_attempt = secret_uid == Some(self.secret_uid.as_str())
             && record.attempt == self.attempt
             && record.clean.is_some() == self.cleaning
-    }
-
-    /// Whether `record` already carries this action's note (a write whose answer was lost, or
-    /// a later one): then nothing is left to record.
-    pub fn noted_in(&self, record: &BootRecord) -> bool {
-        match self.kind {
+            && record.token.fingerprint() == self.token;
+        let noted = match self.kind {
             PoweredFor::NetworkBoot(_) => record.powered_at.is_some(),
             PoweredFor::DiskBoot => record.disk_boot_at.is_some(),
+        };
+        match (same_attempt, noted) {
+            (false, _) => KeptPower::OtherAttempt,
+            (true, true) => KeptPower::Noted,
+            (true, false) => KeptPower::Unnoted,
         }
     }
 }
@@ -1054,7 +1070,9 @@ pub fn cleaning_wanted(o: &Observed, host: &MetalHost) -> Option<WipeMode> {
             BootObservation::Record(r) => r.powered_at.is_some() || r.deploy.is_some(),
             BootObservation::Unreadable(_) => true,
             BootObservation::None => false,
-        };
+        }
+        // Powered, though the note of it was refused: the agent may be writing already.
+        || o.unrecorded_power.is_some();
     touched.then_some(mode)
 }
 
@@ -1517,56 +1535,88 @@ mod tests {
     }
 
     /// A power action sent for the attempt, whose note on the boot Secret was refused.
+    /// (Decide takes the observed entry as it is; `observe` matched it to the attempt. Its token
+    /// is fixed here, as `record`'s is fresh on every call.)
     fn unrecorded(kind: PoweredFor) -> Option<UnrecordedPower> {
-        Some(UnrecordedPower::for_attempt(
-            Some("secret-uid"),
-            &record(1, None, false),
-            at(-3),
-            kind,
-        ))
+        Some(UnrecordedPower {
+            token: "0a1b2c".into(),
+            ..UnrecordedPower::for_attempt(
+                Some("secret-uid"),
+                &record(1, None, false),
+                at(-3),
+                kind,
+            )
+        })
     }
 
     /// An unnoted power action belongs to one attempt: not to the next, nor to the cleaning
-    /// attempt that replaces it in the same Secret, nor to another Secret of the same name.
+    /// attempt that replaces it in the same Secret, nor to a Secret replaced with a fresh token
+    /// under the same UID and attempt, nor to another Secret of the same name. Once the record
+    /// carries its note, it is forgotten.
     #[test]
     fn an_unnoted_power_action_belongs_to_its_attempt_until_noted() {
-        let network = PoweredFor::NetworkBoot(None);
-        let sent =
-            UnrecordedPower::for_attempt(Some("uid-1"), &record(1, None, false), at(0), network);
-        let cleaning = {
-            let mut r = record(1, None, false);
-            r.clean = Some(WipeMode::Metadata);
+        let first = record(1, None, false);
+        let sent = UnrecordedPower::for_attempt(
+            Some("uid-1"),
+            &first,
+            at(0),
+            PoweredFor::NetworkBoot(None),
+        );
+        let same = |f: &dyn Fn(&mut BootRecord)| {
+            let mut r = first.clone();
+            f(&mut r);
             r
         };
         let rows = [
             (
                 "the same attempt",
                 Some("uid-1"),
-                record(1, None, false),
-                true,
+                same(&|_| {}),
+                KeptPower::Unnoted,
+            ),
+            (
+                "the same attempt, noted",
+                Some("uid-1"),
+                same(&|r| r.powered_at = Some(at(1))),
+                KeptPower::Noted,
             ),
             (
                 "the next attempt",
                 Some("uid-1"),
-                record(2, None, false),
-                false,
+                same(&|r| r.attempt = 2),
+                KeptPower::OtherAttempt,
             ),
-            ("the cleaning attempt", Some("uid-1"), cleaning, false),
-            ("a new Secret", Some("uid-2"), record(1, None, false), false),
-            ("no UID", None, record(1, None, false), false),
+            (
+                "the cleaning attempt",
+                Some("uid-1"),
+                same(&|r| r.clean = Some(WipeMode::Metadata)),
+                KeptPower::OtherAttempt,
+            ),
+            (
+                "a fresh token under the same UID and attempt",
+                Some("uid-1"),
+                same(&|r| r.token = Token::mint()),
+                KeptPower::OtherAttempt,
+            ),
+            (
+                "a new Secret",
+                Some("uid-2"),
+                same(&|_| {}),
+                KeptPower::OtherAttempt,
+            ),
+            ("no UID", None, same(&|_| {}), KeptPower::OtherAttempt),
         ];
         for (what, uid, r, want) in rows {
-            assert_eq!(sent.is_for(uid, &r), want, "{what}");
+            assert_eq!(sent.against(uid, &r), want, "{what}");
         }
-        assert!(!sent.noted_in(&record(1, None, false)));
-        assert!(sent.noted_in(&record(1, Some(0), false)));
-        let disk = UnrecordedPower {
+        let restart = UnrecordedPower {
             kind: PoweredFor::DiskBoot,
             ..sent
         };
-        assert!(
-            !disk.noted_in(&record(1, Some(0), false)),
-            "powered, not restarted"
+        assert_eq!(
+            restart.against(Some("uid-1"), &same(&|r| r.powered_at = Some(at(1)))),
+            KeptPower::Unnoted,
+            "powered on, the restart into the disk not noted"
         );
     }
 
@@ -1834,7 +1884,7 @@ mod tests {
                 Step::RecordPower(unrecorded(PoweredFor::NetworkBoot(None)).unwrap()),
             ),
             (
-                "10. restarted into its disk (unnoted), now not powered for the attempt: power on",
+                "10. a kept action of another kind (a restart into the disk) is no network boot: power on",
                 Observed {
                     boot: BootObservation::Record(Box::new(record(1, None, false))),
                     unrecorded_power: unrecorded(PoweredFor::DiskBoot),
@@ -2488,6 +2538,21 @@ mod tests {
             r.deploy = deploy;
             BootObservation::Record(Box::new(r))
         };
+        // Sent for a cleaning attempt (the kept action names its attempt's kind and token).
+        let unrecorded_cleaning = || {
+            let BootObservation::Record(r) = cleaning(None, None) else {
+                return None;
+            };
+            Some(UnrecordedPower {
+                token: "0a1b2c".into(),
+                ..UnrecordedPower::for_attempt(
+                    Some("secret-uid"),
+                    &r,
+                    at(-3),
+                    PoweredFor::NetworkBoot(None),
+                )
+            })
+        };
         let with_host_mode = |mut o: Observed, mode: CleaningMode| {
             let mut h = (*o.hosts[0]).clone();
             h.spec.automated_cleaning_mode = Some(mode);
@@ -2543,6 +2608,19 @@ mod tests {
                 start(WipeMode::Metadata),
             ),
             (
+                "powered, the note of it refused: the agent may be writing, so cleaned",
+                Observed {
+                    unrecorded_power: unrecorded(PoweredFor::NetworkBoot(None)),
+                    ..image(
+                        false,
+                        BootObservation::Record(Box::new(record(1, None, false))),
+                        100,
+                    )
+                },
+                "Cleaning",
+                start(WipeMode::Metadata),
+            ),
+            (
                 "never powered: nothing was written, plain power-off",
                 image(
                     false,
@@ -2590,11 +2668,11 @@ mod tests {
             (
                 "cleaning attempt netbooted, the note of it refused: the note alone",
                 Observed {
-                    unrecorded_power: unrecorded(PoweredFor::NetworkBoot(None)),
+                    unrecorded_power: unrecorded_cleaning(),
                     ..image(true, cleaning(None, None), 100)
                 },
                 "Cleaning",
-                Step::RecordPower(unrecorded(PoweredFor::NetworkBoot(None)).unwrap()),
+                Step::RecordPower(unrecorded_cleaning().unwrap()),
             ),
             (
                 "agent not heard from, inside the cleaning timeout: wait",

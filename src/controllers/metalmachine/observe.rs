@@ -20,6 +20,7 @@ use crate::boot::tokens::{self, BootRecord};
 use crate::controllers::expectations::{object_key, store_reflects};
 use crate::controllers::power::Fault;
 
+use super::decide::KeptPower;
 use super::{FINALIZER, MachineContext, claim, machine_owner};
 
 /// The owning Machine as the store has it.
@@ -266,14 +267,14 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
         },
     };
     let unrecorded_power = match (&boot, &boot_secret, ctx.unrecorded_power.get(&mm_key)) {
-        (BootObservation::Record(record), Some(secret), Some(sent))
-            if sent.is_for(secret.metadata.uid.as_deref(), record) =>
-        {
-            if sent.noted_in(record) {
-                ctx.unrecorded_power.remove(&mm_key);
-                None
-            } else {
-                Some(sent)
+        (BootObservation::Record(record), Some(secret), Some(sent)) => {
+            match sent.against(secret.metadata.uid.as_deref(), record) {
+                KeptPower::Unnoted => Some(sent),
+                KeptPower::Noted => {
+                    ctx.unrecorded_power.remove(&mm_key);
+                    None
+                }
+                KeptPower::OtherAttempt => None,
             }
         }
         _ => None,
