@@ -160,22 +160,7 @@ pub async fn client_losing_one_answer(
     matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
     late: std::time::Duration,
 ) -> LosingClient {
-    let inner = client().await;
-    let namespace = inner.default_namespace().to_string();
-    let (answered, late_answer) = tokio::sync::watch::channel(None);
-    let picked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let service = LosesOneAnswer {
-        inner,
-        matches: std::sync::Arc::new(matches),
-        picked: picked.clone(),
-        fate: Fate::AnswerLost { late },
-        answered: std::sync::Arc::new(answered),
-    };
-    LosingClient {
-        client: kube::Client::new(service, namespace),
-        late_answer,
-        picked,
-    }
+    client_picking_one(matches, Fate::AnswerLost { late }).await
 }
 
 /// A client of the shared control plane whose first request `matches` picks never reaches the
@@ -185,6 +170,14 @@ pub async fn client_losing_one_answer(
 pub async fn client_throttling_one_request(
     matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
 ) -> LosingClient {
+    client_picking_one(matches, Fate::Throttled).await
+}
+
+/// A client of the shared control plane whose first request `matches` picks meets `fate`.
+async fn client_picking_one(
+    matches: impl Fn(&http::Method, &str) -> bool + Send + Sync + 'static,
+    fate: Fate,
+) -> LosingClient {
     let inner = client().await;
     let namespace = inner.default_namespace().to_string();
     let (answered, late_answer) = tokio::sync::watch::channel(None);
@@ -193,7 +186,7 @@ pub async fn client_throttling_one_request(
         inner,
         matches: std::sync::Arc::new(matches),
         picked: picked.clone(),
-        fate: Fate::Throttled,
+        fate,
         answered: std::sync::Arc::new(answered),
     };
     LosingClient {
