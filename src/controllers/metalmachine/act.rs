@@ -159,17 +159,20 @@ async fn fence_power(
     )))
 }
 
-/// The record of a power action just sent for the attempt `o` decided from.
-fn sent_for(o: &Observed, kind: PoweredFor) -> Result<UnrecordedPower, ActError> {
+/// Keeps a power action just sent for the attempt `o` decided from as unnoted (until
+/// [`note_power`] writes its note), and returns it.
+fn keep_unnoted(
+    ctx: &MachineContext,
+    o: &Observed,
+    mm_key: &str,
+    kind: PoweredFor,
+) -> Result<UnrecordedPower, ActError> {
     let (BootObservation::Record(record), Some(secret)) = (&o.boot, &o.boot_secret) else {
         return Err(ActError::Conflict("boot Secret gone".into()));
     };
-    Ok(UnrecordedPower::for_attempt(
-        secret.metadata.uid.as_deref(),
-        record,
-        o.now,
-        kind,
-    ))
+    let sent = UnrecordedPower::for_attempt(secret.metadata.uid.as_deref(), record, o.now, kind);
+    ctx.unrecorded_power.insert(mm_key, sent.clone());
+    Ok(sent)
 }
 
 /// Notes a power action on the boot Secret, conditioned on the version decided from; once
@@ -179,6 +182,7 @@ async fn note_power(
     o: &Observed,
     secrets: &Api<Secret>,
     boot_name: &str,
+    mm_key: &str,
     sent: &UnrecordedPower,
 ) -> Result<(), ActError> {
     let BootObservation::Record(record) = &o.boot else {
@@ -201,12 +205,7 @@ async fn note_power(
         what,
     )
     .await?;
-    let key = object_key(
-        "MetalMachine",
-        &o.mm.namespace().unwrap_or_default(),
-        &o.mm.name_any(),
-    );
-    ctx.unrecorded_power.remove(&key);
+    ctx.unrecorded_power.remove(mm_key);
     Ok(())
 }
 
@@ -375,10 +374,9 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_ons.record(&mm_key, action);
-            let sent = sent_for(o, PoweredFor::NetworkBoot(boot_once))?;
-            ctx.unrecorded_power.insert(&mm_key, sent.clone());
+            let sent = keep_unnoted(ctx, o, &mm_key, PoweredFor::NetworkBoot(boot_once))?;
             // The Event says what the BMC did, whether or not the note landed.
-            let noted = note_power(ctx, o, &secrets, &boot_name, &sent).await;
+            let noted = note_power(ctx, o, &secrets, &boot_name, &mm_key, &sent).await;
             let (reason, note) = match record.clean {
                 Some(mode) => (
                     "CleaningStarted",
@@ -397,7 +395,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             noted.map(|()| Acted::default())
         }
         Step::RecordPower(sent) => {
-            note_power(ctx, o, &secrets, &boot_name, sent).await?;
+            note_power(ctx, o, &secrets, &boot_name, &mm_key, sent).await?;
             Ok(Acted::default())
         }
         Step::StartCleaning { host, mode } => {
@@ -504,9 +502,8 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
             ctx.power_ons.record(&mm_key, PowerAction::Cycle);
-            let sent = sent_for(o, PoweredFor::DiskBoot)?;
-            ctx.unrecorded_power.insert(&mm_key, sent.clone());
-            let noted = note_power(ctx, o, &secrets, &boot_name, &sent).await;
+            let sent = keep_unnoted(ctx, o, &mm_key, PoweredFor::DiskBoot)?;
+            let noted = note_power(ctx, o, &secrets, &boot_name, &mm_key, &sent).await;
             ctx.events
                 .publish(
                     mm,
