@@ -510,6 +510,51 @@ async fn a_power_on_whose_note_was_refused_is_noted_not_sent_again() {
     );
 }
 
+/// The power-on's note reached the apiserver but its answer was lost. The manager keeps the
+/// action as unnoted, and forgets it once its store shows the note (`observe`, `KeptPower::Noted`):
+/// any later note of the same attempt is conditioned on the version before it, so it cannot land
+/// and forget it instead. No second power action either.
+#[tokio::test]
+async fn a_power_on_noted_without_an_answer_is_forgotten_once_the_store_shows_the_note() {
+    let lab = lab("lostnote", 1).await;
+    lab.host(0).await;
+    let notes = |method: &http::Method, path: &str| {
+        method == http::Method::PATCH && path.ends_with("/secrets/m1-boot")
+    };
+    let mut losing = support::client_losing_one_answer(notes, Duration::ZERO).await;
+    let manager = metalboot::manager::start(
+        losing.client.clone(),
+        hostlab::manager_options(&lab.ns.name),
+    )
+    .await
+    .expect("manager starts");
+    let held = manager
+        .held
+        .as_ref()
+        .expect("infrastructure controllers run");
+    lab.machine("m1", None, None).await;
+    let landed = tokio::time::timeout(
+        Duration::from_secs(120),
+        losing.late_answer.wait_for(Option::is_some),
+    )
+    .await
+    .expect("the note whose answer was lost reached the apiserver")
+    .expect("answer")
+    .to_owned();
+    assert_eq!(landed, Some(200), "the note whose answer was lost landed");
+    powered_for_m1(&lab, "the power-on noted").await;
+    support::eventually("the noted power action forgotten", 60, || async {
+        (held.counts().machine_unrecorded_power == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        lab.resets(),
+        1,
+        "one power action in all: {:?}",
+        lab.posts()
+    );
+}
+
 #[tokio::test]
 async fn a_restarted_manager_finishes_provisioning_without_an_extra_power_cycle() {
     let lab = lab("restart", 1).await;
