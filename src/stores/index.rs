@@ -76,25 +76,6 @@ impl<K> Listed<K> {
             Listed::Many(many) => many.values().cloned().collect(),
         }
     }
-
-    fn len(&self) -> usize {
-        match self {
-            Listed::One(..) => 1,
-            Listed::Many(many) => many.len(),
-        }
-    }
-
-    /// The objects, ordered by namespace and name, from the `start`-th on and then round from
-    /// the first: borrowed, nothing copied.
-    fn round_from(&self, start: usize) -> Box<dyn Iterator<Item = &Arc<K>> + '_> {
-        match self {
-            Listed::One(_, held) => Box::new(std::iter::once(held)),
-            Listed::Many(many) => {
-                let start = start % many.len().max(1);
-                Box::new(many.values().skip(start).chain(many.values().take(start)))
-            }
-        }
-    }
 }
 
 struct Members<K> {
@@ -192,31 +173,18 @@ where
             .unwrap_or_default()
     }
 
-    /// The first object listed under `key` that `accept` takes, trying them by namespace and
-    /// name from the `start(n)`-th of the n listed, then round from the first. Only the one
-    /// found is copied: [`Index::get`] copies every object listed, and the free hosts of a
-    /// namespace are every host of a new fleet (10,000 on each claiming pass at scale).
-    pub fn find_round(
-        &self,
-        key: &str,
-        start: impl FnOnce(usize) -> usize,
-        accept: impl Fn(&K) -> bool,
-    ) -> Option<Arc<K>> {
+    /// What `pick` makes of the objects listed under `key` (ordered by namespace and name; none
+    /// when the key lists nothing), read in one look and borrowed: [`Index::get`] copies every
+    /// object listed, and the free hosts of a namespace are every host of a new fleet (10,000 on
+    /// each claiming pass at scale).
+    pub fn pick<R>(&self, key: &str, pick: impl FnOnce(&[&Arc<K>]) -> R) -> R {
         let members = self.members.read().unwrap_or_else(PoisonError::into_inner);
-        let listed = members.by_key.get(key)?;
-        listed
-            .round_from(start(listed.len()))
-            .find(|o| accept(o))
-            .cloned()
-    }
-
-    /// Whether any object listed under `key` passes `test` (stops at the first that does).
-    pub fn any(&self, key: &str, test: impl Fn(&K) -> bool) -> bool {
-        let members = self.members.read().unwrap_or_else(PoisonError::into_inner);
-        members
-            .by_key
-            .get(key)
-            .is_some_and(|listed| listed.round_from(0).any(|o| test(o)))
+        let listed: Vec<&Arc<K>> = match members.by_key.get(key) {
+            None => Vec::new(),
+            Some(Listed::One(_, held)) => vec![held],
+            Some(Listed::Many(many)) => many.values().collect(),
+        };
+        pick(&listed)
     }
 
     /// Applies `event` to the store (through `writer`) and to the index, as one step for readers.
@@ -401,73 +369,37 @@ mod tests {
         assert_eq!(members.keys_of_object.len(), 1);
     }
 
-    /// `find_round` tries the objects of a key from a start and round, and copies only the one
-    /// it finds; `any` stops at the first.
+    /// `pick` sees the objects of a key in order, borrowed from the store (not copied), and
+    /// nothing for a key that lists nothing.
     #[test]
-    fn find_round_starts_where_asked_and_goes_round() {
+    fn pick_sees_the_objects_of_a_key_in_order() {
         let (store, mut writer) = reflector::store::<ConfigMap>();
         let index = Index::new(by_colour);
         let mut events = vec![Event::Init];
-        events.extend(["a", "b", "c", "d"].map(|n| Event::InitApply(map(n, Some("red")))));
+        events.extend(["c", "a", "b"].map(|n| Event::InitApply(map(n, Some("red")))));
         events.push(Event::InitApply(map("e", Some("blue"))));
         events.push(Event::InitDone);
         for e in &events {
             index.apply(&mut writer, &store, e);
         }
-        let name = |m: Option<Arc<ConfigMap>>| m.and_then(|m| m.metadata.name.clone());
-        let all = |_: &ConfigMap| true;
-        let not_b_or_c = |m: &ConfigMap| !matches!(m.metadata.name.as_deref(), Some("b" | "c"));
-        assert_eq!(
-            name(index.find_round("colour/red", |_| 0, all)).as_deref(),
-            Some("a")
-        );
-        assert_eq!(
-            name(index.find_round("colour/red", |_| 2, all)).as_deref(),
-            Some("c")
-        );
-        assert_eq!(
-            name(index.find_round("colour/red", |n| n + 1, all)).as_deref(),
-            Some("b"),
-            "the start is taken modulo how many are listed (4)"
-        );
-        assert_eq!(
-            name(index.find_round("colour/red", |_| 1, not_b_or_c)).as_deref(),
-            Some("d")
-        );
-        assert_eq!(
-            name(index.find_round(
-                "colour/red",
-                |_| 3,
-                |m: &ConfigMap| { m.metadata.name.as_deref() == Some("b") }
-            ))
-            .as_deref(),
-            Some("b"),
-            "round past the last to the first"
-        );
-        assert_eq!(
-            name(index.find_round("colour/blue", |n| n * 7, all)).as_deref(),
-            Some("e"),
-            "a key with one object"
-        );
-        assert_eq!(index.find_round("colour/red", |_| 0, |_| false), None);
-        assert_eq!(index.find_round("colour/green", |_| 0, all), None);
-        let started_with = std::cell::Cell::new(None);
-        index.find_round(
-            "colour/red",
-            |n| {
-                started_with.set(Some(n));
-                0
-            },
-            all,
-        );
-        assert_eq!(
-            started_with.get(),
-            Some(4),
-            "start is told how many are listed"
-        );
-        assert!(index.any("colour/red", not_b_or_c));
-        assert!(!index.any("colour/red", |_| false));
-        assert!(!index.any("colour/green", all));
+        let names = |key: &str| {
+            index.pick(key, |listed| {
+                listed
+                    .iter()
+                    .map(|m| m.metadata.name.clone().unwrap_or_default())
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(names("colour/red"), ["a", "b", "c"]);
+        assert_eq!(names("colour/blue"), ["e"]);
+        assert!(names("colour/green").is_empty());
+        let stored = store.state();
+        index.pick("colour/blue", |listed| {
+            assert!(
+                stored.iter().any(|s| Arc::ptr_eq(s, listed[0])),
+                "the store's own"
+            );
+        });
     }
 
     #[test]

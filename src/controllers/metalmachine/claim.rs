@@ -180,21 +180,22 @@ impl<'a> Claimable<'a> {
     }
 }
 
-/// Where `mm` starts among `len` hosts (listed by name): it differs per machine, so machines
-/// claiming at once start at different hosts.
-pub fn start(mm: &MetalMachine, len: usize) -> usize {
+/// The order in which `mm` tries hosts: it differs per machine, so racing machines try different
+/// hosts first.
+fn rank(seed: &str, host: &MetalHost) -> u64 {
     use std::hash::{Hash, Hasher};
-    if len == 0 {
-        return 0;
-    }
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    mm.uid().unwrap_or_else(|| mm.name_any()).hash(&mut hasher);
-    (hasher.finish() % len as u64) as usize
+    (seed, host.metadata.name.as_deref().unwrap_or_default()).hash(&mut hasher);
+    hasher.finish()
 }
 
-/// Hosts `mm` may claim, in the order it tries them: Available, online, unclaimed, not paused,
-/// not deleting, in its namespace, matching its selector and (when the Machine names one) its
-/// failure domain; from the machine's own [`start`] in `hosts` (listed by name) and round.
+fn seed(mm: &MetalMachine) -> String {
+    mm.uid().unwrap_or_else(|| mm.name_any())
+}
+
+/// Hosts `mm` may claim, best first: Available, online, unclaimed, not paused, not deleting, in
+/// its namespace, matching its selector and (when the Machine names one) its failure domain;
+/// then an order that differs per machine so racing machines try different hosts first.
 pub fn candidate_hosts(
     hosts: &[Arc<MetalHost>],
     mm: &MetalMachine,
@@ -202,20 +203,21 @@ pub fn candidate_hosts(
     failure_domain_label: &str,
 ) -> Result<Vec<Arc<MetalHost>>, ClaimError> {
     let claimable = Claimable::new(mm, failure_domain, failure_domain_label)?;
-    let from = start(mm, hosts.len());
-    let candidates: Vec<Arc<MetalHost>> = hosts[from..]
+    let mut candidates: Vec<Arc<MetalHost>> = hosts
         .iter()
-        .chain(&hosts[..from])
         .filter(|h| claimable.admits(h))
         .cloned()
         .collect();
     if candidates.is_empty() {
         return Err(claimable.none_left());
     }
+    let seed = seed(mm);
+    candidates.sort_by_cached_key(|h| rank(&seed, h));
     Ok(candidates)
 }
 
-/// The host to try to claim now: the first of [`candidate_hosts`], found without collecting them.
+/// The host to try to claim now: the first of [`candidate_hosts`], found in one pass over the
+/// hosts without collecting or sorting them.
 pub fn best_candidate(
     hosts: &[Arc<MetalHost>],
     mm: &MetalMachine,
@@ -223,21 +225,28 @@ pub fn best_candidate(
     failure_domain_label: &str,
 ) -> Result<Arc<MetalHost>, ClaimError> {
     let claimable = Claimable::new(mm, failure_domain, failure_domain_label)?;
-    let from = start(mm, hosts.len());
-    hosts[from..]
+    let seed = seed(mm);
+    hosts
         .iter()
-        .chain(&hosts[..from])
-        .find(|h| claimable.admits(h))
+        .filter(|h| claimable.admits(h))
+        .min_by_key(|h| rank(&seed, h))
         .cloned()
         .ok_or_else(|| claimable.none_left())
 }
 
+/// How many free hosts, drawn per machine, [`free_host_to_claim`] tries before it ranks them all.
+const PROBES: u64 = 16;
+
 /// What `observe` hands `decide` of the free hosts of `namespace` for a machine without a host:
-/// the first that [`best_candidate`] of them all would try and that is admitted, passing over
-/// those `skip` picks unless every free host is one of them; or nothing (`decide` then says why
-/// none is admitted). Found in the index from the machine's [`start`], so a claiming pass costs
-/// the hosts it tries, where copying, hashing and filtering every free host on every claiming
-/// pass was about 13 % of the manager's CPU at N=3,000 (perf).
+/// one it may claim, or nothing (`decide` then says why none is admitted). Hosts `skip` picks
+/// (claims of this process on their way) are passed over unless every free host is one of them.
+///
+/// The host is one of [`PROBES`] free hosts drawn by a hash of the machine, the first it may
+/// claim; when none of them is, the first of all by [`rank`]. Either way each host it may claim
+/// is as likely as another, wherever it sits in the list (a rack's hosts named in a row too).
+/// Read in one look at the index, borrowed: copying every free host, hashing it against the
+/// claims in flight and ranking it on every claiming pass was about 13 % of the manager's CPU at
+/// N=3,000 (perf).
 pub fn free_host_to_claim(
     index: &crate::stores::Index<MetalHost>,
     namespace: &str,
@@ -246,20 +255,35 @@ pub fn free_host_to_claim(
     failure_domain_label: &str,
     skip: impl Fn(&MetalHost) -> bool,
 ) -> Vec<Arc<MetalHost>> {
+    use std::hash::{Hash, Hasher};
     let Ok(claimable) = Claimable::new(mm, failure_domain, failure_domain_label) else {
         return Vec::new();
     };
-    let key = free_key(namespace);
-    // Kept when they are all there is (as a claim of one may yet be refused).
-    let skipping = index.any(&key, |h| !skip(h));
-    index
-        .find_round(
-            &key,
-            |len| start(mm, len),
-            |h| claimable.admits(h) && !(skipping && skip(h)),
-        )
-        .into_iter()
-        .collect()
+    let seed = seed(mm);
+    let probe = |k: u64, len: usize| {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (seed.as_str(), k).hash(&mut hasher);
+        (hasher.finish() % len as u64) as usize
+    };
+    index.pick(&free_key(namespace), |free| {
+        if free.is_empty() {
+            return Vec::new();
+        }
+        let skipping = free.iter().any(|h| !skip(h));
+        let takes = |h: &MetalHost| claimable.admits(h) && !(skipping && skip(h));
+        (0..PROBES)
+            .map(|k| free[probe(k, free.len())])
+            .find(|h| takes(h))
+            .or_else(|| {
+                free.iter()
+                    .copied()
+                    .filter(|h| takes(h))
+                    .min_by_key(|h| rank(&seed, h))
+            })
+            .cloned()
+            .into_iter()
+            .collect()
+    })
 }
 
 /// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
@@ -541,30 +565,9 @@ mod tests {
         ));
     }
 
-    /// What `observe` hands `decide` for a machine without a host: the host `best_candidate`
-    /// would pick of every free host, found in the index; hosts `skip` picks only when every
-    /// free host is one of them; nothing when none is admitted or the selector is invalid.
-    #[test]
-    fn the_free_host_to_claim_is_the_best_candidate_found_in_the_index() {
+    /// An index of `hosts` as the manager keeps it.
+    fn indexed(hosts: &[Arc<MetalHost>]) -> crate::stores::Index<MetalHost> {
         use kube::runtime::{reflector, watcher::Event};
-        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
-        let mut hosts: Vec<_> = (0..40)
-            .map(|i| {
-                let rack = if i % 4 == 0 { "rack-a" } else { "rack-b" };
-                host(
-                    &format!("h{i:02}"),
-                    HostState::Available,
-                    true,
-                    &[(fd, rack)],
-                )
-            })
-            .collect();
-        hosts.push(host(
-            "z-busy",
-            HostState::Provisioned,
-            true,
-            &[(fd, "rack-a")],
-        ));
         let (store, mut writer) = reflector::store::<MetalHost>();
         let index = crate::stores::Index::new(host_index_keys);
         let mut events = vec![Event::Init];
@@ -573,34 +576,122 @@ mod tests {
         for e in &events {
             index.apply(&mut writer, &store, e);
         }
-        let free = index.get(&free_key("ns"));
-        assert_eq!(free.len(), 40);
-        let names = |v: Vec<Arc<MetalHost>>| v.iter().map(|h| h.name_any()).collect::<Vec<_>>();
+        index
+    }
+
+    /// What `observe` hands `decide` for a machine without a host: one free host it may claim,
+    /// each as likely as another even when a rack's hosts are named in a row (a scan from a
+    /// per-machine start would give the first host of the rack to most machines).
+    #[test]
+    fn the_free_host_to_claim_is_one_it_may_take_spread_over_a_rack_named_in_a_row() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let rack = |i: usize| match i {
+            0..30 => "rack-a",
+            30..40 => "rack-b",
+            _ => "rack-c",
+        };
+        let mut hosts: Vec<_> = (0..60)
+            .map(|i| {
+                host(
+                    &format!("h{i:03}"),
+                    HostState::Available,
+                    true,
+                    &[(fd, rack(i))],
+                )
+            })
+            .collect();
+        hosts.push(host(
+            "h030-busy",
+            HostState::Provisioned,
+            true,
+            &[(fd, "rack-b")],
+        ));
+        let index = indexed(&hosts);
         let never = |_: &MetalHost| false;
-        for i in 0..20 {
-            let mut machine = mm(None);
-            machine.metadata.uid = Some(format!("uid-{i}"));
-            for domain in [None, Some("rack-a")] {
-                let best = best_candidate(&free, &machine, domain, fd)
-                    .map(|h| vec![h.name_any()])
-                    .unwrap_or_default();
-                let found = free_host_to_claim(&index, "ns", &machine, domain, fd, never);
-                assert_eq!(names(found), best, "machine {i}, failure domain {domain:?}");
+        let machine = |i: usize| {
+            let mut m = mm(None);
+            m.metadata.uid = Some(format!("uid-{i}"));
+            m
+        };
+        for (domain, machines, hosts_there) in [(Some("rack-b"), 300, 10), (None, 600, 60)] {
+            let mut picked = BTreeMap::<String, usize>::new();
+            for i in 0..machines {
+                let found = free_host_to_claim(&index, "ns", &machine(i), domain, fd, never);
+                assert_eq!(found.len(), 1, "machine {i} in {domain:?}");
+                if let Some(d) = domain {
+                    assert_eq!(found[0].labels().get(fd).map(String::as_str), Some(d));
+                }
+                *picked.entry(found[0].name_any()).or_default() += 1;
             }
-            let first = best_candidate(&free, &machine, None, fd).map(|h| h.name_any());
-            let skip_first = |h: &MetalHost| Some(h.name_any()) == first.clone().ok();
-            let found = names(free_host_to_claim(
-                &index, "ns", &machine, None, fd, skip_first,
-            ));
-            assert_eq!(found.len(), 1);
-            assert_ne!(Some(&found[0]), first.as_ref().ok(), "machine {i}: skipped");
+            let fair = machines / hosts_there;
+            assert_eq!(
+                picked.len(),
+                hosts_there,
+                "every host picked by some machine: {picked:?}"
+            );
+            assert!(
+                picked.values().all(|&n| n <= 2 * fair),
+                "no host picked by more than twice its share ({fair}): {picked:?}"
+            );
         }
-        let machine = mm(None);
+    }
+
+    /// Few hosts admitted among many (the draws miss): the ranked scan finds them. Hosts in
+    /// flight (`skip`) are passed over, unless every free host is one of them; nothing is
+    /// handed over when none is admitted.
+    #[test]
+    fn the_free_host_to_claim_is_found_when_rare_and_passes_over_claims_in_flight() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let special = [("role", "special")];
+        let hosts: Vec<_> = (0..200)
+            .map(|i| {
+                let labels: &[(&str, &str)] = if i == 117 || i == 3 { &special } else { &[] };
+                host(&format!("h{i:03}"), HostState::Available, true, labels)
+            })
+            .collect();
+        let index = indexed(&hosts);
+        let names = |v: Vec<Arc<MetalHost>>| v.iter().map(|h| h.name_any()).collect::<Vec<_>>();
+        let selector = LabelSelector {
+            match_labels: Some(BTreeMap::from([("role".into(), "special".into())])),
+            match_expressions: None,
+        };
+        let wants_special = mm(Some(selector));
+        let never = |_: &MetalHost| false;
+        let found = names(free_host_to_claim(
+            &index,
+            "ns",
+            &wants_special,
+            None,
+            fd,
+            never,
+        ));
+        assert!(found == ["h003"] || found == ["h117"], "{found:?}");
+        let other = if found == ["h003"] { "h117" } else { "h003" };
+        let in_flight = found[0].clone();
+        let skip = |h: &MetalHost| h.name_any() == in_flight;
         assert_eq!(
-            free_host_to_claim(&index, "ns", &machine, None, fd, |_| true).len(),
-            1,
-            "skipped hosts are tried when they are all there is"
+            names(free_host_to_claim(
+                &index,
+                "ns",
+                &wants_special,
+                None,
+                fd,
+                skip
+            )),
+            [other],
+            "the claim in flight is passed over"
         );
+        let both = |h: &MetalHost| matches!(h.name_any().as_str(), "h003" | "h117");
+        assert!(
+            free_host_to_claim(&index, "ns", &wants_special, None, fd, both).is_empty(),
+            "every host it may claim is in flight while others are free: none"
+        );
+        assert_eq!(
+            free_host_to_claim(&index, "ns", &wants_special, None, fd, |_| true).len(),
+            1,
+            "hosts in flight are tried when they are all there is"
+        );
+        let machine = mm(None);
         assert!(free_host_to_claim(&index, "ns", &machine, Some("rack-z"), fd, never).is_empty());
         assert!(free_host_to_claim(&index, "elsewhere", &machine, None, fd, never).is_empty());
         let typo = LabelSelector {

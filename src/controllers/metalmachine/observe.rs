@@ -54,7 +54,8 @@ pub struct Observed {
     pub cluster: Option<Arc<Cluster>>,
     /// Label on MetalHosts that names their failure domain (MetalCluster override or default).
     pub failure_domain_label: String,
-    /// The hosts in the machine's namespace claimed by it; when it has none, the free ones.
+    /// The hosts in the machine's namespace claimed by it; when it has none, the free host it
+    /// may claim (`claim::free_host_to_claim`), if any.
     pub hosts: Vec<Arc<MetalHost>>,
     pub boot: BootObservation,
     /// The boot Secret `boot` was read from: the store's copy, or the fresher answer to a
