@@ -174,9 +174,10 @@ where
     }
 
     /// What `pick` makes of the objects listed under `key` (ordered by namespace and name; none
-    /// when the key lists nothing), read in one look and borrowed: [`Index::get`] copies every
-    /// object listed, and the free hosts of a namespace are every host of a new fleet (10,000 on
-    /// each claiming pass at scale).
+    /// when the key lists nothing), read in one look and borrowed: [`Index::get`] clones the
+    /// `Arc` of every object listed, and the free hosts of a namespace are every host of a new
+    /// fleet (10,000 on each claiming pass at scale). `pick` runs under the index's read lock,
+    /// which holds the watch's next event back: it must be short and must not use the index.
     pub fn pick<R>(&self, key: &str, pick: impl FnOnce(&[&Arc<K>]) -> R) -> R {
         let members = self.members.read().unwrap_or_else(PoisonError::into_inner);
         let listed: Vec<&Arc<K>> = match members.by_key.get(key) {

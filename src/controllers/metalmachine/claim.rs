@@ -234,19 +234,20 @@ pub fn best_candidate(
         .ok_or_else(|| claimable.none_left())
 }
 
-/// How many free hosts, drawn per machine, [`free_host_to_claim`] tries before it ranks them all.
+/// How many draws among the free hosts [`free_host_to_claim`] makes before it ranks them all.
 const PROBES: u64 = 16;
 
 /// What `observe` hands `decide` of the free hosts of `namespace` for a machine without a host:
 /// one it may claim, or nothing (`decide` then says why none is admitted). Hosts `skip` picks
 /// (claims of this process on their way) are passed over unless every free host is one of them.
 ///
-/// The host is one of [`PROBES`] free hosts drawn by a hash of the machine, the first it may
-/// claim; when none of them is, the first of all by [`rank`]. Either way each host it may claim
-/// is as likely as another, wherever it sits in the list (a rack's hosts named in a row too).
-/// Read in one look at the index, borrowed: copying every free host, hashing it against the
-/// claims in flight and ranking it on every claiming pass was about 13 % of the manager's CPU at
-/// N=3,000 (perf).
+/// The host is the first of [`PROBES`] draws among the free hosts, by a hash of the machine,
+/// that it may claim; when no draw is, the first by [`rank`] of those it may claim. Either way
+/// each host it may claim is as likely as another, wherever it sits in the list (a rack's hosts
+/// named in a row too). The draws read the index borrowed, in one look: copying every free
+/// host, hashing it against the claims in flight and ranking it on every claiming pass was
+/// about 13 % of the manager's CPU at N=3,000 (perf). The ranked scan, needed only when few
+/// hosts suit the machine, runs on copies, outside the index's lock.
 pub fn free_host_to_claim(
     index: &crate::stores::Index<MetalHost>,
     namespace: &str,
@@ -260,30 +261,33 @@ pub fn free_host_to_claim(
         return Vec::new();
     };
     let seed = seed(mm);
-    let probe = |k: u64, len: usize| {
+    let draw = |k: u64, len: usize| {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         (seed.as_str(), k).hash(&mut hasher);
         (hasher.finish() % len as u64) as usize
     };
-    index.pick(&free_key(namespace), |free| {
+    let takes = |h: &MetalHost, skipping: bool| claimable.admits(h) && !(skipping && skip(h));
+    let key = free_key(namespace);
+    let drawn = index.pick(&key, |free| {
         if free.is_empty() {
-            return Vec::new();
+            return None;
         }
         let skipping = free.iter().any(|h| !skip(h));
-        let takes = |h: &MetalHost| claimable.admits(h) && !(skipping && skip(h));
         (0..PROBES)
-            .map(|k| free[probe(k, free.len())])
-            .find(|h| takes(h))
-            .or_else(|| {
-                free.iter()
-                    .copied()
-                    .filter(|h| takes(h))
-                    .min_by_key(|h| rank(&seed, h))
-            })
+            .map(|k| free[draw(k, free.len())])
+            .find(|h| takes(h, skipping))
             .cloned()
-            .into_iter()
-            .collect()
-    })
+    });
+    if let Some(host) = drawn {
+        return vec![host];
+    }
+    let free = index.get(&key);
+    let skipping = free.iter().any(|h| !skip(h));
+    free.into_iter()
+        .filter(|h| takes(h, skipping))
+        .min_by_key(|h| rank(&seed, h))
+        .into_iter()
+        .collect()
 }
 
 /// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
@@ -579,9 +583,42 @@ mod tests {
         index
     }
 
+    /// Picks a free host for each of `machines` machines and counts how often each host is
+    /// picked (asserting each pick is admitted: in `domain` when given).
+    fn picks(
+        index: &crate::stores::Index<MetalHost>,
+        machines: usize,
+        selector: Option<LabelSelector>,
+        domain: Option<&str>,
+    ) -> BTreeMap<String, usize> {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let mut picked = BTreeMap::<String, usize>::new();
+        for i in 0..machines {
+            let mut machine = mm(selector.clone());
+            machine.metadata.uid = Some(format!("uid-{i}"));
+            let found = free_host_to_claim(index, "ns", &machine, domain, fd, |_| false);
+            assert_eq!(found.len(), 1, "machine {i} in {domain:?}");
+            if let Some(d) = domain {
+                assert_eq!(found[0].labels().get(fd).map(String::as_str), Some(d));
+            }
+            *picked.entry(found[0].name_any()).or_default() += 1;
+        }
+        picked
+    }
+
+    /// Every host picked, and none more than three times its share.
+    fn spread_evenly(picked: &BTreeMap<String, usize>, machines: usize, hosts: usize) {
+        let fair = machines / hosts;
+        assert_eq!(picked.len(), hosts, "every host picked: {picked:?}");
+        assert!(
+            picked.values().all(|&n| n <= 3 * fair),
+            "no host picked more than three times its share ({fair}): {picked:?}"
+        );
+    }
+
     /// What `observe` hands `decide` for a machine without a host: one free host it may claim,
     /// each as likely as another even when a rack's hosts are named in a row (a scan from a
-    /// per-machine start would give the first host of the rack to most machines).
+    /// per-machine start gave the rack's first host to most machines). Mostly found by a draw.
     #[test]
     fn the_free_host_to_claim_is_one_it_may_take_spread_over_a_rack_named_in_a_row() {
         let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
@@ -590,7 +627,7 @@ mod tests {
             30..40 => "rack-b",
             _ => "rack-c",
         };
-        let mut hosts: Vec<_> = (0..60)
+        let hosts: Vec<_> = (0..60)
             .map(|i| {
                 host(
                     &format!("h{i:03}"),
@@ -600,47 +637,38 @@ mod tests {
                 )
             })
             .collect();
-        hosts.push(host(
-            "h030-busy",
-            HostState::Provisioned,
-            true,
-            &[(fd, "rack-b")],
-        ));
         let index = indexed(&hosts);
-        let never = |_: &MetalHost| false;
-        let machine = |i: usize| {
-            let mut m = mm(None);
-            m.metadata.uid = Some(format!("uid-{i}"));
-            m
-        };
-        for (domain, machines, hosts_there) in [(Some("rack-b"), 300, 10), (None, 600, 60)] {
-            let mut picked = BTreeMap::<String, usize>::new();
-            for i in 0..machines {
-                let found = free_host_to_claim(&index, "ns", &machine(i), domain, fd, never);
-                assert_eq!(found.len(), 1, "machine {i} in {domain:?}");
-                if let Some(d) = domain {
-                    assert_eq!(found[0].labels().get(fd).map(String::as_str), Some(d));
-                }
-                *picked.entry(found[0].name_any()).or_default() += 1;
-            }
-            let fair = machines / hosts_there;
-            assert_eq!(
-                picked.len(),
-                hosts_there,
-                "every host picked by some machine: {picked:?}"
-            );
-            assert!(
-                picked.values().all(|&n| n <= 2 * fair),
-                "no host picked by more than twice its share ({fair}): {picked:?}"
-            );
-        }
+        spread_evenly(&picks(&index, 400, None, Some("rack-b")), 400, 10);
+        spread_evenly(&picks(&index, 1200, None, None), 1200, 60);
     }
 
-    /// Few hosts admitted among many (the draws miss): the ranked scan finds them. Hosts in
-    /// flight (`skip`) are passed over, unless every free host is one of them; nothing is
-    /// handed over when none is admitted.
+    /// Ten hosts in a row of a thousand suit the machines: most draws miss, and the ranked scan
+    /// behind them spreads the machines as evenly (taking the first that suits would not).
     #[test]
-    fn the_free_host_to_claim_is_found_when_rare_and_passes_over_claims_in_flight() {
+    fn the_ranked_scan_behind_the_draws_spreads_machines_too() {
+        let special = [("role", "special")];
+        let hosts: Vec<_> = (0..1000)
+            .map(|i| {
+                let labels: &[(&str, &str)] = if (500..510).contains(&i) {
+                    &special
+                } else {
+                    &[]
+                };
+                host(&format!("h{i:04}"), HostState::Available, true, labels)
+            })
+            .collect();
+        let index = indexed(&hosts);
+        let selector = LabelSelector {
+            match_labels: Some(BTreeMap::from([("role".into(), "special".into())])),
+            match_expressions: None,
+        };
+        spread_evenly(&picks(&index, 400, Some(selector), None), 400, 10);
+    }
+
+    /// Claims in flight (`skip`) are passed over, unless every free host is one; nothing is
+    /// handed over when no free host is admitted (or the selector is invalid).
+    #[test]
+    fn the_free_host_to_claim_passes_over_claims_in_flight() {
         let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
         let special = [("role", "special")];
         let hosts: Vec<_> = (0..200)
