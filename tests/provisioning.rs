@@ -432,14 +432,7 @@ async fn a_claim_whose_answer_was_lost_is_waited_for_not_sent_again() {
     .expect("manager starts");
     lab.machine("m1", None, None).await;
 
-    let late = tokio::time::timeout(
-        Duration::from_secs(120),
-        losing.late_answer.wait_for(Option::is_some),
-    )
-    .await
-    .expect("the lost claim reached the apiserver late")
-    .expect("answer")
-    .to_owned();
+    let late = losing.late_status("the lost claim").await;
     assert_eq!(
         late,
         Some(200),
@@ -533,14 +526,7 @@ async fn a_power_on_noted_without_an_answer_is_forgotten_once_the_store_shows_th
         .as_ref()
         .expect("infrastructure controllers run");
     lab.machine("m1", None, None).await;
-    let landed = tokio::time::timeout(
-        Duration::from_secs(120),
-        losing.late_answer.wait_for(Option::is_some),
-    )
-    .await
-    .expect("the note whose answer was lost reached the apiserver")
-    .expect("answer")
-    .to_owned();
+    let landed = losing.late_status("the note whose answer was lost").await;
     assert_eq!(landed, Some(200), "the note whose answer was lost landed");
     powered_for_m1(&lab, "the power-on noted").await;
     support::eventually("the noted power action forgotten", 60, || async {

@@ -153,6 +153,22 @@ pub struct LosingClient {
     pub picked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
+impl LosingClient {
+    /// The apiserver's HTTP status for the request held back, once it reached it (`what` says
+    /// which request, if it never does within two minutes).
+    pub async fn late_status(&mut self, what: &str) -> Option<u16> {
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(120),
+            self.late_answer.wait_for(Option::is_some),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what} reached the apiserver"));
+        answer
+            .expect("the losing client's sender lives as long as its client")
+            .to_owned()
+    }
+}
+
 /// A client of the shared control plane whose first request `matches` picks is answered at once
 /// with a lost connection, and reaches the apiserver only `late` after: a write applied after its
 /// writer gave up on it, seen as a watch that lags behind a starved apiserver sees it.
