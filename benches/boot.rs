@@ -12,7 +12,6 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::Resource;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::watcher;
 use metalboot::api::metalhost::{BmcDetails, ConsumerReference, HostState, MetalHostSpec};
 use metalboot::api::metalmachine::{BootProfile, MetalMachineSpec};
 use metalboot::api::{MetalHost, MetalMachine};
@@ -21,7 +20,6 @@ use metalboot::boot::http::{BootConfig, BootState, BootStores};
 use metalboot::boot::serve::{HttpLimits, serve_with_files};
 use metalboot::boot::tokens::{self, NewAttempt};
 use metalboot::controlplane::{self, ControlPlane, Lifetime};
-use metalboot::stores::watch_store;
 
 const CLIENTS: usize = 500;
 const ARTIFACT_MB: usize = 50;
@@ -184,17 +182,7 @@ async fn main() {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let base = format!("http://{addr}");
-    let stores = BootStores {
-        hosts: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default(),
-        ),
-        machines: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default(),
-        ),
-        boot_secrets: metalboot::stores::watch_boot_secrets(Api::namespaced(client.clone(), ns)),
-    };
+    let stores = BootStores::watch(&client, ns);
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     let state = Arc::new(
         BootState::new(

@@ -629,6 +629,7 @@ async fn start_infrastructure(
     let state = Arc::new(BootState::new(
         BootStores {
             hosts: stores.hosts.clone(),
+            host_index: stores.host_index.clone(),
             machines: stores.metal_machines.clone(),
             boot_secrets: stores.boot_secrets.clone(),
         },

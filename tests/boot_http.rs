@@ -12,6 +12,7 @@ use axum::http::{Request, StatusCode};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
+use metalboot::api::MetalHost;
 use metalboot::api::metalhost::HostState;
 use metalboot::api::metalmachine::BootProfile;
 use metalboot::boot::http::{BootState, router};
@@ -329,6 +330,67 @@ async fn pinned_source_address_refuses_a_second_host() {
     .await;
 }
 
+/// A boot MAC that two MetalHosts name (a copied manifest) boots neither: no script, no token,
+/// whichever host the request is really from. Once one of them lets the MAC go, the other's
+/// script is served again. The lookup is the hosts' index, kept by a real watch.
+#[tokio::test]
+async fn a_boot_mac_two_hosts_name_boots_neither_until_one_lets_it_go() {
+    let Fixture { ns, .. } = fixture("boot-shared-mac").await;
+    let (state, _rx) = boot_state(&ns.client, &ns.name, BASE, false).await;
+    until_stores("fixture in the stores", &state, |s| {
+        s.boot_secrets.state().len() == 1 && s.hosts.state().len() == 2
+    })
+    .await;
+    let (_, body) = get(&state, "/ipxe/52-54-00-10-00-01", None).await;
+    assert!(text(&body).contains("kernel "), "{}", text(&body));
+
+    // The copy writes the MAC in capitals: still the same NIC.
+    create_host(
+        &ns.client,
+        &ns.name,
+        "host-2",
+        &PROVISIONING_MAC.to_uppercase(),
+    )
+    .await;
+    until_stores("the copy in the stores", &state, |s| {
+        s.hosts.state().len() == 3
+    })
+    .await;
+    let (status, body) = get(&state, "/ipxe/52-54-00-10-00-01", None).await;
+    let shared = text(&body);
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        shared.contains(&format!(
+            "boot MAC 52:54:00:10:00:01: MetalHosts {0}/host-0, {0}/host-2 all have this boot MAC",
+            ns.name
+        )) && !shared.contains("kernel")
+            && !shared.contains("nocloud")
+            && shared.trim_end().ends_with("exit"),
+        "{shared}"
+    );
+    let (_, body) = get(&state, "/ipxe/52-54-00-10-00-02", None).await;
+    assert!(
+        text(&body).contains("host-1 is Available"),
+        "another MAC is not affected: {}",
+        text(&body)
+    );
+
+    Api::<MetalHost>::namespaced(ns.client.clone(), &ns.name)
+        .delete("host-2", &Default::default())
+        .await
+        .expect("delete the copy");
+    until_stores("the copy gone from the stores", &state, |s| {
+        s.hosts.state().len() == 2
+    })
+    .await;
+    let (_, body) = get(&state, "/ipxe/52-54-00-10-00-01", None).await;
+    assert!(
+        text(&body).contains("kernel "),
+        "host-0 boots again: {}",
+        text(&body)
+    );
+}
+
 fn curl(args: &[&str]) -> (String, Vec<u8>) {
     let out = std::process::Command::new("curl")
         .args(["-sS", "-w", "\n%{http_code}"])
@@ -446,6 +508,8 @@ where
 async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
     use metalboot::api::{MetalHost, MetalMachine};
     use metalboot::boot::http::{BootConfig, BootStores};
+    use metalboot::controllers::metalmachine::claim::host_index_keys;
+    use metalboot::stores::Index;
     let Fixture { ns, record } = fixture("boot-late").await;
     let client = &ns.client;
     let hosts: Vec<MetalHost> = Api::namespaced(client.clone(), &ns.name)
@@ -460,10 +524,16 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
         .items;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let attempt_1 = secrets.get(&record.secret_name).await.expect("boot Secret");
-    let frozen_stores = || BootStores {
-        hosts: frozen(hosts.clone()),
-        machines: frozen(machines.clone()),
-        boot_secrets: frozen(vec![attempt_1.clone()]),
+    let frozen_stores = || {
+        let store = frozen(hosts.clone());
+        let host_index = Index::new(host_index_keys);
+        host_index.rebuild(&store);
+        BootStores {
+            hosts: store,
+            host_index,
+            machines: frozen(machines.clone()),
+            boot_secrets: frozen(vec![attempt_1.clone()]),
+        }
     };
     let config = || BootConfig {
         base_url: BASE.into(),

@@ -32,9 +32,55 @@ use super::tokens::{self, BootRecord, CallbackRecord};
 #[derive(Clone)]
 pub struct BootStores {
     pub hosts: Store<MetalHost>,
+    /// The hosts' index, kept by the watch that fills `hosts`
+    /// ([`crate::controllers::metalmachine::claim::host_index_keys`]): a DHCP, iPXE or TFTP
+    /// request finds its host by boot MAC in one lookup, whatever the fleet's size. Those
+    /// requests come from anyone on the provisioning network.
+    pub host_index: crate::stores::Index<MetalHost>,
     pub machines: Store<MetalMachine>,
     /// Secrets labelled `metalboot.io/boot-token`.
     pub boot_secrets: Store<Secret>,
+}
+
+impl BootStores {
+    /// Stores of their own, each filled by a watch of `namespace`: the boot service without
+    /// the manager's shared ones (tests, benchmarks). Wait for `BootState::wait_for_stores`.
+    pub fn watch(client: &kube::Client, namespace: &str) -> Self {
+        let host_index =
+            crate::stores::Index::new(crate::controllers::metalmachine::claim::host_index_keys);
+        BootStores {
+            hosts: crate::stores::SharedStore::indexed(host_index.clone()).run(
+                kube::Api::namespaced(client.clone(), namespace),
+                kube::runtime::watcher::Config::default(),
+            ),
+            host_index,
+            machines: crate::stores::watch_store(
+                kube::Api::namespaced(client.clone(), namespace),
+                kube::runtime::watcher::Config::default(),
+            ),
+            boot_secrets: crate::stores::watch_boot_secrets(kube::Api::namespaced(
+                client.clone(),
+                namespace,
+            )),
+        }
+    }
+}
+
+/// Who a boot MAC belongs to.
+enum MacOwners {
+    None,
+    One(Arc<MetalHost>),
+    /// Two or more hosts (`namespace/name`, ordered) name the same boot MAC: an operator's
+    /// mistake that must not boot one of them with the other's data.
+    Shared(Vec<String>),
+}
+
+fn qualified_name(host: &MetalHost) -> String {
+    format!(
+        "{}/{}",
+        host.metadata.namespace.as_deref().unwrap_or_default(),
+        host.metadata.name.as_deref().unwrap_or_default()
+    )
 }
 
 #[derive(Clone, Debug)]
@@ -423,11 +469,23 @@ impl BootState {
         self.ready.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// The hosts registered with boot MAC `mac` (normalized).
+    fn hosts_with_mac(&self, mac: &str) -> MacOwners {
+        let key = crate::controllers::metalmachine::claim::boot_mac_key(mac);
+        self.stores.host_index.pick(&key, |hosts| match hosts {
+            [] => MacOwners::None,
+            [host] => MacOwners::One(Arc::clone(host)),
+            shared => MacOwners::Shared(shared.iter().map(|h| qualified_name(h)).collect()),
+        })
+    }
+
+    /// The one host with boot MAC `mac`. A MAC that two hosts claim belongs to neither: its
+    /// requests get no host's script, token or DHCP answer until an operator fixes one of them.
     fn host_by_mac(&self, mac: &str) -> Option<Arc<MetalHost>> {
-        // Every host is compared on every boot request: without copying the store or allocating.
-        self.stores
-            .hosts
-            .find(|h| ipxe::mac_matches(&h.spec.boot_mac_address, mac))
+        match self.hosts_with_mac(mac) {
+            MacOwners::One(host) => Some(host),
+            MacOwners::None | MacOwners::Shared(_) => None,
+        }
     }
 
     /// The host behind a boot MAC and its current attempt, when it has one that has not called
@@ -1053,7 +1111,11 @@ async fn host_script(
             "#!ipxe\necho metalboot: not a MAC address\nexit\n".into(),
         );
     };
-    let host = state.host_by_mac(&mac);
+    let owners = state.hosts_with_mac(&mac);
+    let host = match &owners {
+        MacOwners::One(host) => Some(host.clone()),
+        MacOwners::None | MacOwners::Shared(_) => None,
+    };
     let consumer = host
         .as_ref()
         .and_then(|h| h.spec.consumer_ref.as_ref())
@@ -1068,15 +1130,21 @@ async fn host_script(
     let record = consumer
         .as_ref()
         .and_then(|name| state.current_record(&namespace, name));
-    let script = ipxe::choose_script(
-        &mac,
-        query.attempt.unwrap_or(1),
-        host.as_deref(),
-        machine.as_deref(),
-        record.as_ref(),
-        &state.config.base_url,
-        state.config.deploy.as_ref(),
-    );
+    let script = match owners {
+        MacOwners::Shared(hosts) => HostScript::Shared {
+            mac: mac.clone(),
+            hosts,
+        },
+        MacOwners::One(_) | MacOwners::None => ipxe::choose_script(
+            &mac,
+            query.attempt.unwrap_or(1),
+            host.as_deref(),
+            machine.as_deref(),
+            record.as_ref(),
+            &state.config.base_url,
+            state.config.deploy.as_ref(),
+        ),
+    };
     let host_name = host.as_ref().map(|h| h.name_any());
     match &script {
         HostScript::Provision(plan) => {
@@ -1105,6 +1173,9 @@ async fn host_script(
         }
         HostScript::Unknown { attempt, .. } => {
             tracing::info!(route = "/ipxe", %mac, client = ?ip, attempt, "unknown MAC");
+        }
+        HostScript::Shared { hosts, .. } => {
+            tracing::warn!(route = "/ipxe", %mac, client = ?ip, hosts = %hosts.join(", "), "boot MAC of several MetalHosts: booting none of them");
         }
     }
     match state.templates.host_script(&script, &state.config.base_url) {

@@ -64,6 +64,10 @@ impl Templates {
                 .env
                 .get_template("error")?
                 .render(context! { host, reason }),
+            HostScript::Shared { mac, hosts } => self.env.get_template("error")?.render(context! {
+                host => format!("boot MAC {mac}"),
+                reason => format!("MetalHosts {} all have this boot MAC, so none of them is booted from here; give each its own spec.bootMACAddress", hosts.join(", ")),
+            }),
         }
     }
 
@@ -89,6 +93,8 @@ pub enum HostScript {
     Unknown { mac: String, attempt: u32 },
     /// Provisioning, but the boot profile cannot be rendered safely.
     Refused { host: String, reason: String },
+    /// Several MetalHosts (`namespace/name`) have this boot MAC: none of them gets a script.
+    Shared { mac: String, hosts: Vec<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -548,6 +554,7 @@ mod tests {
                 HostScript::Idle { .. } => "Idle",
                 HostScript::Unknown { .. } => "Unknown",
                 HostScript::Refused { .. } => "Refused",
+                HostScript::Shared { .. } => "Shared",
             };
             assert_eq!(kind, want, "{what}");
         }

@@ -8,14 +8,13 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::{conditions, wait::await_condition, watcher};
+use kube::runtime::{conditions, wait::await_condition};
 use kube::{Resource, ResourceExt};
 use metalboot::api::metalhost::{BmcDetails, ConsumerReference, HostState, MetalHostSpec};
 use metalboot::api::metalmachine::{BootProfile, MetalMachineSpec};
 use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::boot::http::{BootConfig, BootState, BootStores, CallbackNotice};
 use metalboot::boot::tokens::{self, BootRecord, NewAttempt};
-use metalboot::stores::watch_store;
 use tokio::sync::mpsc;
 
 pub async fn install_crds(client: &kube::Client) {
@@ -157,17 +156,7 @@ pub async fn boot_state_with(
     ns: &str,
     config: BootConfig,
 ) -> (Arc<BootState>, mpsc::UnboundedReceiver<CallbackNotice>) {
-    let stores = BootStores {
-        hosts: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default(),
-        ),
-        machines: watch_store(
-            Api::namespaced(client.clone(), ns),
-            watcher::Config::default(),
-        ),
-        boot_secrets: metalboot::stores::watch_boot_secrets(Api::namespaced(client.clone(), ns)),
-    };
+    let stores = BootStores::watch(client, ns);
     for ready in [
         stores.hosts.wait_until_ready().await.is_ok(),
         stores.machines.wait_until_ready().await.is_ok(),

@@ -76,8 +76,8 @@ pub fn free_key(namespace: &str) -> String {
 }
 
 /// What the shared hosts' store indexes a host under: its MetalMachine consumer, whether it is
-/// free, and its BMC Secrets. Observing a machine then costs the hosts it may use, and a Secret
-/// change the hosts that use it, not every host.
+/// free, its BMC Secrets and its boot MAC. Observing a machine then costs the hosts it may use, a
+/// Secret change the hosts that use it, and a DHCP or iPXE request one lookup, not every host.
 pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
     let namespace = h.metadata.namespace.as_deref().unwrap_or_default();
     let mut keys = Vec::new();
@@ -95,7 +95,17 @@ pub fn host_index_keys(h: &MetalHost) -> Vec<String> {
     if let Some(ca) = &h.spec.bmc.ca_secret_name {
         keys.push(secret_key(namespace, ca));
     }
+    if let Some(mac) = crate::boot::ipxe::normalize_mac(&h.spec.boot_mac_address) {
+        keys.push(boot_mac_key(&mac));
+    }
     keys
+}
+
+/// The host index key of the hosts whose boot MAC is `mac` (as [`crate::boot::ipxe::normalize_mac`]
+/// writes it), in every namespace: the boot service answers one NIC for one host, whichever
+/// namespace registered it.
+pub fn boot_mac_key(mac: &str) -> String {
+    format!("mac/{mac}")
 }
 
 /// The host index key of the hosts whose BMC credentials or CA Secret is `namespace/name`.
@@ -351,18 +361,33 @@ mod tests {
     }
 
     /// A claimed host is listed under its consumer (wherever that machine lives), a free one
-    /// under its namespace, and every host under its BMC Secrets.
+    /// under its namespace, and every host under its BMC Secrets and its boot MAC (normalized,
+    /// the way the boot service writes a request's MAC).
     #[test]
-    fn hosts_are_indexed_by_consumer_as_free_and_by_bmc_secret() {
+    fn hosts_are_indexed_by_consumer_as_free_by_bmc_secret_and_by_boot_mac() {
         let credentials = secret_key("ns", "c");
+        let mac = boot_mac_key("52:54:00:00:00:01");
         let free = host("a", HostState::Available, true, &[]);
         assert_eq!(
             host_index_keys(&free),
-            [free_key("ns"), credentials.clone()]
+            [free_key("ns"), credentials.clone(), mac.clone()]
         );
         let mut offline = (*host("b", HostState::Available, false, &[])).clone();
-        assert_eq!(host_index_keys(&offline), [credentials.as_str()]);
+        assert_eq!(
+            host_index_keys(&offline),
+            [credentials.clone(), mac.clone()]
+        );
         offline.spec.bmc.ca_secret_name = Some("ca".into());
+        offline.spec.boot_mac_address = "52:54:00:AB:cd:0F".into();
+        assert_eq!(
+            host_index_keys(&offline),
+            [
+                credentials.clone(),
+                secret_key("ns", "ca"),
+                boot_mac_key("52:54:00:ab:cd:0f")
+            ]
+        );
+        offline.spec.boot_mac_address = "not a MAC".into();
         assert_eq!(
             host_index_keys(&offline),
             [credentials.clone(), secret_key("ns", "ca")]
@@ -371,12 +396,12 @@ mod tests {
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
         assert_eq!(
             host_index_keys(&claimed),
-            [consumer_key("ns", "m"), credentials.clone()]
+            [consumer_key("ns", "m"), credentials.clone(), mac.clone()]
         );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "elsewhere"));
         assert_eq!(
             host_index_keys(&claimed),
-            [consumer_key("elsewhere", "m"), credentials]
+            [consumer_key("elsewhere", "m"), credentials, mac]
         );
     }
 
