@@ -538,6 +538,7 @@ async fn start_infrastructure(
         namespace,
         &stores,
         reflectors.hosts.subscribe(),
+        reflectors.hosts.subscribe_events(metalhost::boot_mac),
         reflectors.metal_machines.subscribe(),
         secret_meta_writer,
     );

@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use metalboot::api::capi::Machine;
-use metalboot::api::metalhost::{HostState, PowerState};
+use metalboot::api::metalhost::{HostErrorType, HostState, PowerState};
 use metalboot::api::metalmachine::MetalMachinePhase;
 use metalboot::api::{MetalHost, MetalMachine};
 use metalboot::bmc::{Bmc, BootDevice};
@@ -605,6 +605,89 @@ async fn wrong_credentials_put_the_host_in_error_and_fixing_the_secret_recovers_
             .then_some(())
     })
     .await;
+}
+
+/// A copied manifest: host-1 names host-0's boot MAC. Neither may be claimed (the boot service
+/// boots neither), both say why in status, a Warning Event says it once, and the machine waits.
+/// Deleting the copy frees host-0, which the machine then claims.
+#[tokio::test]
+async fn hosts_that_share_a_boot_mac_are_not_claimed_until_the_copy_is_gone() {
+    let lab = lab("shared-mac", 2).await;
+    lab.host(0).await;
+    lab.host_at(
+        "host-1",
+        &lab.proxy.address(&lab.sushy.system_path(1)),
+        &lab.sushy.systems[0].macs[0].to_uppercase(),
+        "bmc-credentials",
+    )
+    .await;
+    lab.machine("m1", None, None).await;
+    let _manager = lab.manager().await;
+    for name in ["host-0", "host-1"] {
+        let status = support::eventually(&format!("{name} in Error for its MAC"), 60, || async {
+            let status = lab.metal_host(name).await.status?;
+            (status.state == Some(HostState::Error)
+                && status.error_type == Some(HostErrorType::BootMACShared))
+            .then_some(status)
+        })
+        .await;
+        let other = if name == "host-0" { "host-1" } else { "host-0" };
+        let said = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "BootMACShared")
+            .expect("BootMACShared condition");
+        assert_eq!(said.status, "True");
+        assert!(
+            said.message
+                .contains(&format!("MetalHost {}/{other}", lab.ns.name)),
+            "{}",
+            said.message
+        );
+        assert_eq!(status.error_message.as_deref(), Some(said.message.as_str()));
+    }
+    support::eventually("a BootMACShared Warning Event", 30, || async {
+        lab.events("host-1")
+            .await
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("BootMACShared")
+                    && e.type_.as_deref() == Some("Warning")
+            })
+            .then_some(())
+    })
+    .await;
+    let waiting = support::eventually("m1 told no host is available", 30, || async {
+        let mm = lab.metal_machine("m1").await?;
+        condition(&mm, "HostAssociated")
+            .filter(|c| c.0 == "False" && c.1 == "NoHostAvailable")
+            .map(|_| mm)
+    })
+    .await;
+    assert!(
+        waiting
+            .status
+            .as_ref()
+            .and_then(|s| s.host_ref.as_ref())
+            .is_none(),
+        "no host claimed"
+    );
+
+    Api::<MetalHost>::namespaced(lab.ns.client.clone(), &lab.ns.name)
+        .delete("host-1", &DeleteParams::default())
+        .await
+        .expect("delete the copy");
+    let claimed = support::eventually("m1 claims host-0 once the copy is gone", 60, || async {
+        let host = lab.metal_host("host-0").await;
+        let consumer = host.spec.consumer_ref.as_ref()?.name.clone();
+        (consumer == "m1").then_some(host)
+    })
+    .await;
+    let status = claimed.status.expect("status");
+    assert!(
+        status.conditions.iter().all(|c| c.type_ != "BootMACShared") && status.error_type.is_none(),
+        "{status:?}"
+    );
 }
 
 /// Waits until m1's attempt has powered its host (the boot Secret says so) and returns it.

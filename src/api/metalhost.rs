@@ -234,6 +234,9 @@ pub enum HostErrorType {
     PowerManagementError,
     /// The host could not be released cleanly (e.g. BMC unreachable during deprovisioning).
     DeprovisioningError,
+    /// Another MetalHost names the same `spec.bootMACAddress`: none of them is network-booted
+    /// until each has its own.
+    BootMACShared,
 }
 
 /// Observed state of a bare-metal host.

@@ -50,6 +50,13 @@ pub const PAUSED: &str = "Paused";
 pub const HELD_OFF: &str = "PoweredOffByOperator";
 /// Condition: the MetalMachine in `spec.consumerRef` exists.
 pub const CONSUMER_FOUND: &str = "ConsumerFound";
+/// Condition, present only while true: another MetalHost names this host's boot MAC (a copied
+/// manifest). The boot service boots none of them, so an unclaimed one is in Error, where no
+/// machine claims it; a claimed one keeps its state (a running node is left running).
+pub const BOOT_MAC_SHARED: &str = "BootMACShared";
+/// How often a host whose boot MAC is shared is looked at again, at most: the other host
+/// changing its MAC wakes nobody (a watch event does not say what the MAC was).
+const SHARED_MAC_RECHECK: Duration = Duration::from_secs(30);
 
 /// What the controller does with the BMC this time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,14 +112,16 @@ fn paused(host: &MetalHost) -> bool {
 
 /// The state this controller writes for the host when its consumer is `consumer`: None when it
 /// writes none (a paused host, or one with no status yet, which registers first). Other
-/// controllers that wait for this one ask here rather than restate its rules.
+/// controllers that wait for this one ask here rather than restate its rules. Ask with a
+/// claimed host's consumer: the one rule that reads other hosts (a shared boot MAC) changes only
+/// an unclaimed host's state.
 pub fn state_it_writes(host: &MetalHost, consumer: Consumer) -> Option<HostState> {
     if paused(host) {
         return None;
     }
     host.status
         .as_ref()
-        .map(|status| desired_state(host, status, consumer))
+        .map(|status| desired_state(host, status, consumer, false))
 }
 
 /// The consumer named by `spec.consumerRef`, as the MetalMachine store has it.
@@ -140,18 +149,25 @@ pub fn consumer_of(host: &MetalHost, machines: &Store<MetalMachine>) -> Consumer
 }
 
 /// The host's lifecycle state, from facts: registration, an abandoned deprovisioning, the claim
-/// and its consumer. A claimed host is never Available; a host whose consumer is missing (a
-/// restore, a move in progress) keeps a busy state and is left alone.
-pub fn desired_state(host: &MetalHost, status: &MetalHostStatus, consumer: Consumer) -> HostState {
+/// and its consumer, and whether another host names its boot MAC. A claimed host is never
+/// Available; a host whose consumer is missing (a restore, a move in progress) keeps a busy
+/// state and is left alone.
+pub fn desired_state(
+    host: &MetalHost,
+    status: &MetalHostStatus,
+    consumer: Consumer,
+    boot_mac_shared: bool,
+) -> HostState {
     if status.error_type == Some(HostErrorType::RegistrationError)
         || !conditions::is_true(&status.conditions, REGISTERED)
     {
         return status.state.unwrap_or_default();
     }
-    if host
-        .annotations()
-        .contains_key(DEPROVISION_FAILED_ANNOTATION)
-        && consumer == Consumer::Unclaimed
+    if consumer == Consumer::Unclaimed
+        && (host
+            .annotations()
+            .contains_key(DEPROVISION_FAILED_ANNOTATION)
+            || boot_mac_shared)
     {
         return HostState::Error;
     }
@@ -233,14 +249,15 @@ pub fn merge_inspection(
     merged
 }
 
-/// Applies the derived state and what goes with it (error fields, the consumer condition, the
-/// deploy agent's inspection, and how the BMC keeps a one-time boot when the probe record does
-/// not say yet).
+/// Applies the derived state and what goes with it (error fields, the consumer and shared-MAC
+/// conditions, the deploy agent's inspection, and how the BMC keeps a one-time boot when the
+/// probe record does not say yet). `shared_with`: the other hosts with this host's boot MAC.
 fn settle(
     host: &MetalHost,
     mut status: MetalHostStatus,
     consumer: Consumer,
     facts: &AttemptFacts,
+    shared_with: &[String],
     now: &Time,
 ) -> MetalHostStatus {
     if let Some(agent) = &facts.inspection {
@@ -252,17 +269,39 @@ fn settle(
         bmc.boot_once = Some(learned);
     }
     let generation = host.metadata.generation;
-    let state = desired_state(host, &status, consumer);
+    let state = desired_state(host, &status, consumer, !shared_with.is_empty());
     status.state = Some(state);
+    let shared_message = (!shared_with.is_empty()).then(|| {
+        format!(
+            "boot MAC {} is also spec.bootMACAddress of MetalHost {}: the boot service boots none of them; give each host its own",
+            host.spec.boot_mac_address,
+            shared_with.join(", ")
+        )
+    });
+    let released_badly = host.annotations().get(DEPROVISION_FAILED_ANNOTATION);
     if state == HostState::Error && status.error_type != Some(HostErrorType::RegistrationError) {
-        status.error_type = Some(HostErrorType::DeprovisioningError);
-        status.error_message = host
-            .annotations()
-            .get(DEPROVISION_FAILED_ANNOTATION)
-            .map(|m| m.chars().take(2048).collect());
-    } else if status.error_type == Some(HostErrorType::DeprovisioningError) {
+        (status.error_type, status.error_message) = match (released_badly, &shared_message) {
+            (Some(why), _) => (
+                Some(HostErrorType::DeprovisioningError),
+                Some(why.chars().take(2048).collect()),
+            ),
+            (None, message) => (Some(HostErrorType::BootMACShared), message.clone()),
+        };
+    } else if matches!(
+        status.error_type,
+        Some(HostErrorType::DeprovisioningError | HostErrorType::BootMACShared)
+    ) {
         status.error_type = None;
         status.error_message = None;
+    }
+    match shared_message {
+        Some(message) => conditions::set(
+            &mut status.conditions,
+            Want::t(BOOT_MAC_SHARED, "BootMACShared", message),
+            generation,
+            now,
+        ),
+        None => status.conditions.retain(|c| c.type_ != BOOT_MAC_SHARED),
     }
     match (consumer, host.spec.consumer_ref.as_ref()) {
         (Consumer::Unclaimed, _) | (_, None) => {
@@ -481,10 +520,32 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     }
     let now = conditions::now();
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
-    let interval = ctx.poll_interval.mul_f64(jitter);
+    let mut interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
     let facts = attempt_facts(&host, &ctx.stores.boot_secrets);
+    let shared_with = hosts_sharing_boot_mac(&ctx.stores.host_index, &host);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
+    if !shared_with.is_empty() {
+        interval = interval.min(SHARED_MAC_RECHECK);
+        let said = host
+            .status
+            .as_ref()
+            .is_some_and(|s| conditions::is_true(&s.conditions, BOOT_MAC_SHARED));
+        if !said {
+            ctx.events
+                .publish(
+                    host.as_ref(),
+                    true,
+                    "BootMACShared",
+                    format!(
+                        "boot MAC {} is also spec.bootMACAddress of MetalHost {}: the boot service boots none of them",
+                        host.spec.boot_mac_address,
+                        shared_with.join(", ")
+                    ),
+                )
+                .await;
+        }
+    }
     label_secrets_for_move(ctx, &host).await;
     let host_key = key(host.as_ref());
     let read_power = |power: Result<PowerState, Fault>| {
@@ -553,7 +614,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let failed = result.as_ref().err().cloned();
             let mut status = registration_status(&host, result, &now);
             if failed.is_none() {
-                status = settle(&host, status, consumer, &facts, &now);
+                status = settle(&host, status, consumer, &facts, &shared_with, &now);
             }
             status.conditions.retain(|c| c.type_ != PAUSED);
             write_status(&ctx.expectations, &api, &host, &status).await?;
@@ -641,7 +702,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 ctx.power_requests.forget(&host_key);
             }
             let polled = poll_status(status, host.metadata.generation, power, &now);
-            let status = settle(&host, polled, consumer, &facts, &now);
+            let status = settle(&host, polled, consumer, &facts, &shared_with, &now);
             write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
@@ -652,7 +713,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             });
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
-            let status = settle(&host, polled, consumer, &facts, &now);
+            let status = settle(&host, polled, consumer, &facts, &shared_with, &now);
             write_status(&ctx.expectations, &api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
@@ -663,6 +724,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 host.status.clone().unwrap_or_default(),
                 consumer,
                 &facts,
+                &shared_with,
                 &now,
             );
             if status.state != previous_state {
@@ -737,6 +799,33 @@ fn error_policy(host: Arc<MetalHost>, error: &ReconcileError, ctx: Arc<HostConte
         .after_failure("MetalHost", &key(host.as_ref()), error)
 }
 
+/// The other hosts (`namespace/name`) whose boot MAC is this host's, from the index: a lookup.
+pub fn hosts_sharing_boot_mac(
+    hosts: &crate::stores::Index<MetalHost>,
+    host: &MetalHost,
+) -> Vec<String> {
+    let Some(mac) = crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address) else {
+        return Vec::new();
+    };
+    let key = crate::controllers::metalmachine::claim::boot_mac_key(&mac);
+    hosts.pick(&key, |listed| {
+        listed
+            .iter()
+            .filter(|other| {
+                other.metadata.namespace != host.metadata.namespace
+                    || other.metadata.name != host.metadata.name
+            })
+            .map(|other| {
+                format!(
+                    "{}/{}",
+                    other.metadata.namespace.as_deref().unwrap_or_default(),
+                    other.metadata.name.as_deref().unwrap_or_default()
+                )
+            })
+            .collect()
+    })
+}
+
 /// The hosts whose credentials or CA Secret is `secret`. Every Secret change in the namespace
 /// asks this (bootstrap Secrets too, one per machine): a lookup, not a scan of every host.
 fn hosts_using(
@@ -753,13 +842,46 @@ fn hosts_using(
         .collect()
 }
 
+/// The view of a host [`boot_mac_wakes`] follows (`SharedStore::subscribe_events`).
+pub fn boot_mac(host: &MetalHost) -> Option<String> {
+    crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address)
+}
+
+/// The hosts to look at again when a host with their boot MAC comes or goes: every host of a MAC
+/// that two or more name once one of them changes, and those left when one is deleted. A host
+/// alone with its MAC wakes nobody (its own change wakes it).
+fn boot_mac_wakes(
+    events: impl futures::Stream<Item = watcher::Event<Option<String>>> + Send,
+    hosts: crate::stores::Index<MetalHost>,
+) -> impl futures::Stream<Item = ObjectRef<MetalHost>> + Send {
+    events.flat_map(move |event| {
+        let (mac, fewest) = match event {
+            watcher::Event::Apply(Some(mac)) => (mac, 2),
+            watcher::Event::Delete(Some(mac)) => (mac, 1),
+            _ => return futures::stream::iter(Vec::new()),
+        };
+        let listed = hosts.get(&crate::controllers::metalmachine::claim::boot_mac_key(&mac));
+        let wake = match listed.len() >= fewest {
+            true => listed
+                .iter()
+                .map(|h| ObjectRef::from_obj(h.as_ref()))
+                .collect(),
+            false => Vec::new(),
+        };
+        futures::stream::iter(wake)
+    })
+}
+
 /// The controller over the shared host stream; a consumer's change (provisioned, deleting)
-/// wakes its host, and a changed credentials Secret re-checks the hosts using it.
+/// wakes its host, a changed credentials Secret re-checks the hosts using it, and a host that
+/// comes or goes with a boot MAC others have wakes them (`host_macs`: the shared host store's
+/// events through [`boot_mac`]).
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     stores: &SharedStores,
     hosts: crate::stores::Changes<MetalHost>,
+    host_macs: futures::stream::BoxStream<'static, watcher::Event<Option<String>>>,
     machines: crate::stores::Changes<MetalMachine>,
     secret_meta: kube::runtime::reflector::store::Writer<PartialObjectMeta<Secret>>,
 ) -> Controller<MetalHost> {
@@ -784,6 +906,7 @@ pub fn controller(
     .default_backoff()
     .touched_objects();
     Controller::for_shared_stream(hosts, stores.hosts.clone())
+        .reconcile_on(boot_mac_wakes(host_macs, stores.host_index.clone()))
         .watches_stream(secret_changes, move |secret| {
             crate::controllers::hostbmc::forget_secret(
                 &secret.namespace().unwrap_or_default(),
@@ -1132,6 +1255,7 @@ mod tests {
             status,
             Consumer::Provisioned,
             &AttemptFacts::default(),
+            &[],
             &now,
         );
         assert_eq!(kept.state, Some(HostState::Provisioned));
@@ -1186,6 +1310,7 @@ mod tests {
                 status,
                 Consumer::Provisioning,
                 &learned(fact),
+                &[],
                 &now,
             );
             assert_eq!(settled.bmc.and_then(|b| b.boot_once), want, "{what}");
@@ -1196,9 +1321,115 @@ mod tests {
             unprobed,
             Consumer::Provisioning,
             &learned(Some(BootOnce::Continuous)),
+            &[],
             &now,
         );
         assert_eq!(settled.bmc, None, "no probe record is made up");
+    }
+
+    /// A shared boot MAC puts an unclaimed host in Error with its own type, message and
+    /// condition, all gone once the MAC is its own again; a failed release's error wins over it.
+    #[test]
+    fn a_shared_boot_mac_is_said_and_unsaid() {
+        let now = Time(at(5));
+        let free = host(
+            Some(registered(HostState::Available, PowerState::Off, 0)),
+            true,
+        );
+        let others = ["ns/copy".to_string()];
+        let facts = AttemptFacts::default();
+        let shared = settle(
+            &free,
+            free.status.clone().unwrap_or_default(),
+            Consumer::Unclaimed,
+            &facts,
+            &others,
+            &now,
+        );
+        assert_eq!(shared.state, Some(HostState::Error));
+        assert_eq!(shared.error_type, Some(HostErrorType::BootMACShared));
+        let message = shared.error_message.clone().unwrap_or_default();
+        assert!(message.contains("MetalHost ns/copy"), "{message}");
+        let condition = conditions::get(&shared.conditions, BOOT_MAC_SHARED).expect("condition");
+        assert_eq!(condition.status, "True");
+        assert_eq!(condition.message, message);
+
+        let mut was_shared = free.clone();
+        was_shared.status = Some(shared);
+        let alone = settle(
+            &was_shared,
+            was_shared.status.clone().unwrap_or_default(),
+            Consumer::Unclaimed,
+            &facts,
+            &[],
+            &now,
+        );
+        assert_eq!(alone.state, Some(HostState::Available));
+        assert_eq!((alone.error_type, alone.error_message), (None, None));
+        assert!(conditions::get(&alone.conditions, BOOT_MAC_SHARED).is_none());
+
+        let mut abandoned = free.clone();
+        abandoned.metadata.annotations = Some(
+            [(
+                DEPROVISION_FAILED_ANNOTATION.to_string(),
+                "BMC gone".to_string(),
+            )]
+            .into(),
+        );
+        let both = settle(
+            &abandoned,
+            abandoned.status.clone().unwrap_or_default(),
+            Consumer::Unclaimed,
+            &facts,
+            &others,
+            &now,
+        );
+        assert_eq!(both.error_type, Some(HostErrorType::DeprovisioningError));
+        assert_eq!(both.error_message.as_deref(), Some("BMC gone"));
+        assert!(conditions::is_true(&both.conditions, BOOT_MAC_SHARED));
+    }
+
+    /// A host that comes with a MAC another host has wakes both; one that goes wakes those
+    /// left; a host alone with its MAC, or without a readable one, wakes nobody.
+    #[tokio::test]
+    async fn hosts_are_woken_by_the_comings_and_goings_of_their_boot_mac() {
+        use kube::runtime::reflector;
+        use watcher::Event;
+        let named = |name: &str, mac: &str| {
+            let mut h = host(None, true);
+            h.metadata.name = Some(name.into());
+            h.metadata.namespace = Some("ns".into());
+            h.spec.boot_mac_address = mac.into();
+            h
+        };
+        let (store, mut writer) = reflector::store::<MetalHost>();
+        let index =
+            crate::stores::Index::new(crate::controllers::metalmachine::claim::host_index_keys);
+        let a = named("a", "52:54:00:00:00:0a");
+        let copy = named("copy", "52:54:00:00:00:0A");
+        let alone = named("alone", "52:54:00:00:00:0b");
+        // Each step: the event the store applies, then what the controller is told.
+        let steps: Vec<(Event<MetalHost>, Vec<&str>)> = vec![
+            (Event::Apply(a.clone()), vec![]),
+            (Event::Apply(alone.clone()), vec![]),
+            (Event::Apply(copy.clone()), vec!["a", "copy"]),
+            (Event::Delete(copy.clone()), vec!["a"]),
+            (Event::Delete(a.clone()), vec![]),
+            (Event::Apply(named("bad", "not a MAC")), vec![]),
+        ];
+        for (event, want) in steps {
+            index.apply(&mut writer, &store, &event);
+            let viewed = match &event {
+                Event::Apply(h) => Event::Apply(boot_mac(h)),
+                Event::Delete(h) => Event::Delete(boot_mac(h)),
+                _ => Event::InitDone,
+            };
+            let woken: Vec<String> = boot_mac_wakes(futures::stream::iter([viewed]), index.clone())
+                .map(|r| r.name)
+                .collect()
+                .await;
+            assert_eq!(woken, want, "after {event:?}");
+        }
     }
 
     /// One row per rule of `desired_state`.
@@ -1222,7 +1453,7 @@ mod tests {
         );
         let mut restored = claimed(HostState::Registering);
         restored.status = Some(registered(HostState::Registering, PowerState::On, 0));
-        let rows: Vec<(&str, MetalHost, Consumer, HostState)> = vec![
+        let rows: Vec<(&str, MetalHost, Consumer, bool, HostState)> = vec![
             (
                 "unclaimed, registered: Available",
                 host(
@@ -1230,55 +1461,80 @@ mod tests {
                     true,
                 ),
                 Consumer::Unclaimed,
+                false,
                 HostState::Available,
             ),
             (
                 "claimed, consumer booting",
                 claimed(HostState::Available),
                 Consumer::Provisioning,
+                false,
                 HostState::Provisioning,
             ),
             (
                 "claimed, consumer has a providerID",
                 claimed(HostState::Provisioning),
                 Consumer::Provisioned,
+                false,
                 HostState::Provisioned,
             ),
             (
                 "claimed, consumer deleting",
                 claimed(HostState::Provisioned),
                 Consumer::Deleting,
+                false,
                 HostState::Deprovisioning,
             ),
             (
                 "claimed, consumer missing: keeps its busy state",
                 claimed(HostState::Provisioned),
                 Consumer::Missing,
+                false,
                 HostState::Provisioned,
             ),
             (
                 "restored from a backup (status empty), consumer not there yet: never Available",
                 restored,
                 Consumer::Missing,
+                false,
                 HostState::Provisioned,
             ),
             (
                 "released after a failed power-off: Error",
                 abandoned,
                 Consumer::Unclaimed,
+                false,
                 HostState::Error,
             ),
+            (
+                "unclaimed, another host names its boot MAC: Error (never claimed)",
+                host(
+                    Some(registered(HostState::Available, PowerState::Off, 0)),
+                    true,
+                ),
+                Consumer::Unclaimed,
+                true,
+                HostState::Error,
+            ),
+            (
+                "claimed, another host names its boot MAC: keeps its state (a node stays up)",
+                claimed(HostState::Provisioned),
+                Consumer::Provisioned,
+                true,
+                HostState::Provisioned,
+            ),
         ];
-        for (what, h, consumer, want) in rows {
+        for (what, h, consumer, shared, want) in rows {
             let status = h.status.clone().unwrap_or_default();
-            assert_eq!(desired_state(&h, &status, consumer), want, "{what}");
+            assert_eq!(desired_state(&h, &status, consumer, shared), want, "{what}");
         }
         let unregistered = host(None, true);
         assert_eq!(
             desired_state(
                 &unregistered,
                 &MetalHostStatus::default(),
-                Consumer::Provisioning
+                Consumer::Provisioning,
+                true
             ),
             HostState::Registering,
             "registration comes first"
