@@ -21,23 +21,30 @@ type ObjectKey = (String, String);
 /// What the index keys an object under (none, one or several keys).
 pub type KeysOf<K> = fn(&K) -> Vec<String>;
 
-/// The objects listed under one key. Most keys list a single object (a host's consumer, a Node's
-/// providerID), and a one-entry B-tree still allocates a whole node of eleven slots (about 640
-/// bytes): at 10,000 hosts, megabytes for nothing.
+/// The objects listed under one key. Most keys list a single object (a host's consumer, its
+/// boot MAC), and a one-entry B-tree still allocates a whole node of eleven slots (about 640
+/// bytes): at 10,000 hosts, megabytes for nothing. A single object is its own key (its
+/// namespace and name), not a copy of it.
 enum Listed<K> {
-    One(ObjectKey, Arc<K>),
+    One(Arc<K>),
     Many(BTreeMap<ObjectKey, Arc<K>>),
 }
 
-impl<K> Listed<K> {
+/// Whether `held` is the object `object` names.
+fn is_object<K: Resource>(held: &K, object: &ObjectKey) -> bool {
+    held.meta().namespace.as_deref().unwrap_or_default() == object.0
+        && held.meta().name.as_deref().unwrap_or_default() == object.1
+}
+
+impl<K: Resource> Listed<K> {
     fn insert(&mut self, object: ObjectKey, value: Arc<K>) {
         match self {
-            Listed::One(only, held) if *only == object => *held = value,
+            Listed::One(held) if is_object(held.as_ref(), &object) => *held = value,
             Listed::One(..) => {
                 let mut many = BTreeMap::new();
                 let single = std::mem::replace(self, Listed::Many(BTreeMap::new()));
-                if let Listed::One(only, held) = single {
-                    many.insert(only, held);
+                if let Listed::One(held) = single {
+                    many.insert(object_key(held.as_ref()), held);
                 }
                 many.insert(object, value);
                 *self = Listed::Many(many);
@@ -51,15 +58,15 @@ impl<K> Listed<K> {
     /// Removes `object`; true when nothing is left under the key.
     fn remove(&mut self, object: &ObjectKey) -> bool {
         match self {
-            Listed::One(only, _) => only == object,
+            Listed::One(held) => is_object(held.as_ref(), object),
             Listed::Many(many) => {
                 many.remove(object);
                 match many.len() {
                     0 => true,
                     // Back to one entry: give the B-tree's node back.
                     1 => {
-                        if let Some((only, held)) = std::mem::take(many).into_iter().next() {
-                            *self = Listed::One(only, held);
+                        if let Some((_, held)) = std::mem::take(many).into_iter().next() {
+                            *self = Listed::One(held);
                         }
                         false
                     }
@@ -72,7 +79,7 @@ impl<K> Listed<K> {
     /// The objects, ordered by namespace and name.
     fn values(&self) -> Vec<Arc<K>> {
         match self {
-            Listed::One(_, held) => vec![held.clone()],
+            Listed::One(held) => vec![held.clone()],
             Listed::Many(many) => many.values().cloned().collect(),
         }
     }
@@ -96,7 +103,7 @@ impl<K> Default for Members<K> {
     }
 }
 
-impl<K> Members<K> {
+impl<K: Resource> Members<K> {
     fn unlist(&mut self, object: &ObjectKey) {
         for key in self.keys_of_object.remove(object).unwrap_or_default() {
             if let Some(listed) = self.by_key.get_mut(&key)
@@ -121,7 +128,7 @@ impl<K> Members<K> {
             self.by_key
                 .entry(key.clone())
                 .and_modify(|listed| listed.insert(object.clone(), value.clone()))
-                .or_insert_with(|| Listed::One(object.clone(), value.clone()));
+                .or_insert_with(|| Listed::One(value.clone()));
             shared.push(key);
         }
         self.keys_of_object
@@ -182,7 +189,7 @@ where
         let members = self.members.read().unwrap_or_else(PoisonError::into_inner);
         let listed: Vec<&Arc<K>> = match members.by_key.get(key) {
             None => Vec::new(),
-            Some(Listed::One(_, held)) => vec![held],
+            Some(Listed::One(held)) => vec![held],
             Some(Listed::Many(many)) => many.values().collect(),
         };
         pick(&listed)
@@ -263,6 +270,25 @@ mod tests {
             .iter()
             .map(|m| m.metadata.name.clone().unwrap_or_default())
             .collect()
+    }
+
+    /// A key listing one object holds its `Arc` and nothing else: no copy of its namespace and
+    /// name (two allocations per key per object, most keys listing one object).
+    #[test]
+    fn a_key_of_one_object_holds_only_its_pointer() {
+        assert!(
+            std::mem::size_of::<Listed<ConfigMap>>() <= 32,
+            "{}",
+            std::mem::size_of::<Listed<ConfigMap>>()
+        );
+        let mut listed = Listed::One(Arc::new(map("a", None)));
+        listed.insert(("ns".into(), "b".into()), Arc::new(map("b", None)));
+        assert!(matches!(&listed, Listed::Many(many) if many.len() == 2));
+        assert!(!listed.remove(&("ns".into(), "a".into())));
+        assert!(matches!(&listed, Listed::One(held) if held.metadata.name.as_deref() == Some("b")));
+        listed.insert(("ns".into(), "b".into()), Arc::new(map("b", Some("red"))));
+        assert!(matches!(&listed, Listed::One(held) if held.metadata.labels.is_some()));
+        assert!(listed.remove(&("ns".into(), "b".into())));
     }
 
     /// Each event moves an object between keys the way the store changes; a relist replaces
