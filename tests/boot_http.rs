@@ -118,6 +118,18 @@ async fn every_route_through_the_router() {
     .await;
     let token = record.token.expose().to_string();
 
+    // Hosts by state, counted from the store: the fixture has one provisioning, one available.
+    let (status, body) = get(&state, "/metrics", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let metrics = text(&body);
+    for line in [
+        r#"metalboot_hosts{state="Provisioning"} 1"#,
+        r#"metalboot_hosts{state="Available"} 1"#,
+        r#"metalboot_hosts{state="Error"} 0"#,
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+    }
+
     let (status, body) = get(&state, "/boot.ipxe", None).await;
     assert_eq!(status, StatusCode::OK);
     assert!(

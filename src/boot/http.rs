@@ -772,7 +772,7 @@ pub fn router(state: Arc<BootState>) -> Router {
 
 async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
     use crate::api::metalhost::HostState;
-    let hosts = state.stores.hosts.state();
+    use std::cell::Cell;
     let states = [
         HostState::Registering,
         HostState::Available,
@@ -781,17 +781,22 @@ async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
         HostState::Deprovisioning,
         HostState::Error,
     ];
-    let counts: Vec<(String, i64)> = states
+    // One pass over the store under its read lock, nothing copied: anyone on the provisioning
+    // network may ask, and the store holds every host.
+    let counts: [Cell<i64>; 6] = Default::default();
+    let _ = state.stores.hosts.find(|h| {
+        let host_state = h.status.as_ref().and_then(|s| s.state).unwrap_or_default();
+        if let Some(i) = states.iter().position(|s| *s == host_state) {
+            counts[i].set(counts[i].get() + 1);
+        }
+        false
+    });
+    let named: Vec<(String, i64)> = states
         .iter()
-        .map(|st| {
-            let n = hosts
-                .iter()
-                .filter(|h| h.status.as_ref().and_then(|s| s.state).unwrap_or_default() == *st)
-                .count();
-            (format!("{st:?}"), n as i64)
-        })
+        .zip(&counts)
+        .map(|(st, n)| (format!("{st:?}"), n.get()))
         .collect();
-    let refs: Vec<(&str, i64)> = counts.iter().map(|(s, n)| (s.as_str(), *n)).collect();
+    let refs: Vec<(&str, i64)> = named.iter().map(|(s, n)| (s.as_str(), *n)).collect();
     crate::metrics::set_hosts(&refs);
     let mut response = text(StatusCode::OK, crate::metrics::render());
     response.headers_mut().insert(
