@@ -70,17 +70,9 @@ impl BootStores {
 enum MacOwners {
     None,
     One(Arc<MetalHost>),
-    /// Two or more hosts (`namespace/name`, ordered) name the same boot MAC: an operator's
-    /// mistake that must not boot one of them with the other's data.
-    Shared(Vec<String>),
-}
-
-fn qualified_name(host: &MetalHost) -> String {
-    format!(
-        "{}/{}",
-        host.metadata.namespace.as_deref().unwrap_or_default(),
-        host.metadata.name.as_deref().unwrap_or_default()
-    )
+    /// Two or more hosts name the same boot MAC: an operator's mistake that must not boot one
+    /// of them with the other's data.
+    Shared(crate::controllers::metalmachine::claim::MacSharers),
 }
 
 #[derive(Clone, Debug)]
@@ -469,23 +461,27 @@ impl BootState {
         self.ready.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// The hosts registered with boot MAC `mac` (normalized).
+    /// The hosts registered with boot MAC `mac` (normalized), for the iPXE script, which says
+    /// which hosts collide (the first few).
     fn hosts_with_mac(&self, mac: &str) -> MacOwners {
         let key = crate::controllers::metalmachine::claim::boot_mac_key(mac);
         self.stores.host_index.pick(&key, |hosts| match hosts {
             [] => MacOwners::None,
             [host] => MacOwners::One(Arc::clone(host)),
-            shared => MacOwners::Shared(shared.iter().map(|h| qualified_name(h)).collect()),
+            shared => MacOwners::Shared(crate::controllers::metalmachine::claim::MacSharers::of(
+                shared, None,
+            )),
         })
     }
 
     /// The one host with boot MAC `mac`. A MAC that two hosts claim belongs to neither: its
     /// requests get no host's script, token or DHCP answer until an operator fixes one of them.
     fn host_by_mac(&self, mac: &str) -> Option<Arc<MetalHost>> {
-        match self.hosts_with_mac(mac) {
-            MacOwners::One(host) => Some(host),
-            MacOwners::None | MacOwners::Shared(_) => None,
-        }
+        let key = crate::controllers::metalmachine::claim::boot_mac_key(mac);
+        self.stores.host_index.pick(&key, |hosts| match hosts {
+            [host] => Some(Arc::clone(host)),
+            _ => None,
+        })
     }
 
     /// The host behind a boot MAC and its current attempt, when it has one that has not called
@@ -661,16 +657,16 @@ impl crate::boot::dhcpd::BootClients for BootState {
         }
     }
 
+    /// Each boot MAC's reserved address; a MAC that two hosts name has none (it gets no answer).
     fn reservations(&self) -> std::collections::BTreeMap<String, std::net::Ipv4Addr> {
         self.stores
             .hosts
             .state()
             .iter()
             .filter_map(|h| {
-                Some((
-                    ipxe::normalize_mac(&h.spec.boot_mac_address)?,
-                    h.spec.boot_ip_address?,
-                ))
+                let mac = ipxe::normalize_mac(&h.spec.boot_mac_address)?;
+                let ip = h.spec.boot_ip_address?;
+                self.host_by_mac(&mac).is_some().then_some((mac, ip))
             })
             .collect()
     }
@@ -1136,9 +1132,9 @@ async fn host_script(
         .as_ref()
         .and_then(|name| state.current_record(&namespace, name));
     let script = match owners {
-        MacOwners::Shared(hosts) => HostScript::Shared {
+        MacOwners::Shared(sharers) => HostScript::Shared {
             mac: mac.clone(),
-            hosts,
+            hosts: sharers.to_string(),
         },
         MacOwners::One(_) | MacOwners::None => ipxe::choose_script(
             &mac,
@@ -1180,7 +1176,7 @@ async fn host_script(
             tracing::info!(route = "/ipxe", %mac, client = ?ip, attempt, "unknown MAC");
         }
         HostScript::Shared { hosts, .. } => {
-            tracing::warn!(route = "/ipxe", %mac, client = ?ip, hosts = %hosts.join(", "), "boot MAC of several MetalHosts: booting none of them");
+            tracing::warn!(route = "/ipxe", %mac, client = ?ip, %hosts, "boot MAC of several MetalHosts: booting none of them");
         }
     }
     match state.templates.host_script(&script, &state.config.base_url) {

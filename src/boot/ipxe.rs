@@ -66,7 +66,7 @@ impl Templates {
                 .render(context! { host, reason }),
             HostScript::Shared { mac, hosts } => self.env.get_template("error")?.render(context! {
                 host => format!("boot MAC {mac}"),
-                reason => format!("MetalHosts {} all have this boot MAC, so none of them is booted from here; give each its own spec.bootMACAddress", hosts.join(", ")),
+                reason => format!("MetalHosts {hosts} all have this boot MAC, so none of them is booted from here; give each its own spec.bootMACAddress"),
             }),
         }
     }
@@ -93,8 +93,9 @@ pub enum HostScript {
     Unknown { mac: String, attempt: u32 },
     /// Provisioning, but the boot profile cannot be rendered safely.
     Refused { host: String, reason: String },
-    /// Several MetalHosts (`namespace/name`) have this boot MAC: none of them gets a script.
-    Shared { mac: String, hosts: Vec<String> },
+    /// Several MetalHosts have this boot MAC (`hosts` names the first few): none of them gets a
+    /// script.
+    Shared { mac: String, hosts: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -32,6 +32,7 @@ use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key, store_reflects};
 use super::hostbmc::BmcConnector;
 use super::metalmachine::DEPROVISION_FAILED_ANNOTATION;
+use super::metalmachine::claim::{MacSharers, boot_mac_sharers};
 use super::power::{PowerOffStep, PowerRequests, power_off_step};
 use super::{Backoff, Events, ReconcileError, SharedStores, key};
 
@@ -54,9 +55,6 @@ pub const CONSUMER_FOUND: &str = "ConsumerFound";
 /// manifest). The boot service boots none of them, so an unclaimed one is in Error, where no
 /// machine claims it; a claimed one keeps its state (a running node is left running).
 pub const BOOT_MAC_SHARED: &str = "BootMACShared";
-/// How often a host whose boot MAC is shared is looked at again, at most: the other host
-/// changing its MAC wakes nobody (a watch event does not say what the MAC was).
-const SHARED_MAC_RECHECK: Duration = Duration::from_secs(30);
 
 /// What the controller does with the BMC this time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -249,15 +247,43 @@ pub fn merge_inspection(
     merged
 }
 
+/// What the status says of a boot MAC that `sharers` name too: nothing when they are none.
+fn shared_mac_message(host: &MetalHost, sharers: &MacSharers) -> Option<String> {
+    (!sharers.is_empty()).then(|| {
+        format!(
+            "boot MAC {} is also spec.bootMACAddress of MetalHost {}: the boot service boots none of them; give each host its own",
+            host.spec.boot_mac_address, sharers
+        )
+    })
+}
+
+/// Sets the BootMACShared condition while `message` says the MAC is shared, removes it after.
+fn say_shared_mac(
+    status: &mut MetalHostStatus,
+    message: Option<String>,
+    generation: Option<i64>,
+    now: &Time,
+) {
+    match message {
+        Some(message) => conditions::set(
+            &mut status.conditions,
+            Want::t(BOOT_MAC_SHARED, "BootMACShared", message),
+            generation,
+            now,
+        ),
+        None => status.conditions.retain(|c| c.type_ != BOOT_MAC_SHARED),
+    }
+}
+
 /// Applies the derived state and what goes with it (error fields, the consumer and shared-MAC
 /// conditions, the deploy agent's inspection, and how the BMC keeps a one-time boot when the
-/// probe record does not say yet). `shared_with`: the other hosts with this host's boot MAC.
+/// probe record does not say yet). `sharers`: the other hosts with this host's boot MAC.
 fn settle(
     host: &MetalHost,
     mut status: MetalHostStatus,
     consumer: Consumer,
     facts: &AttemptFacts,
-    shared_with: &[String],
+    sharers: &MacSharers,
     now: &Time,
 ) -> MetalHostStatus {
     if let Some(agent) = &facts.inspection {
@@ -269,15 +295,9 @@ fn settle(
         bmc.boot_once = Some(learned);
     }
     let generation = host.metadata.generation;
-    let state = desired_state(host, &status, consumer, !shared_with.is_empty());
+    let state = desired_state(host, &status, consumer, !sharers.is_empty());
     status.state = Some(state);
-    let shared_message = (!shared_with.is_empty()).then(|| {
-        format!(
-            "boot MAC {} is also spec.bootMACAddress of MetalHost {}: the boot service boots none of them; give each host its own",
-            host.spec.boot_mac_address,
-            shared_with.join(", ")
-        )
-    });
+    let shared_message = shared_mac_message(host, sharers);
     let released_badly = host.annotations().get(DEPROVISION_FAILED_ANNOTATION);
     if state == HostState::Error && status.error_type != Some(HostErrorType::RegistrationError) {
         (status.error_type, status.error_message) = match (released_badly, &shared_message) {
@@ -294,15 +314,7 @@ fn settle(
         status.error_type = None;
         status.error_message = None;
     }
-    match shared_message {
-        Some(message) => conditions::set(
-            &mut status.conditions,
-            Want::t(BOOT_MAC_SHARED, "BootMACShared", message),
-            generation,
-            now,
-        ),
-        None => status.conditions.retain(|c| c.type_ != BOOT_MAC_SHARED),
-    }
+    say_shared_mac(&mut status, shared_message, generation, now);
     match (consumer, host.spec.consumer_ref.as_ref()) {
         (Consumer::Unclaimed, _) | (_, None) => {
             status.conditions.retain(|c| c.type_ != CONSUMER_FOUND)
@@ -481,6 +493,27 @@ pub async fn write_status(
     Ok(())
 }
 
+/// [`write_status`], then one Warning Event when the status written is the first to say the
+/// boot MAC is shared (a later pass sees the condition in the store and says nothing).
+async fn write_and_tell(
+    ctx: &HostContext,
+    api: &Api<MetalHost>,
+    host: &MetalHost,
+    status: &MetalHostStatus,
+) -> Result<(), ReconcileError> {
+    write_status(&ctx.expectations, api, host, status).await?;
+    let said = |s: &MetalHostStatus| conditions::is_true(&s.conditions, BOOT_MAC_SHARED);
+    if said(status) && !host.status.as_ref().is_some_and(said) {
+        let message = conditions::get(&status.conditions, BOOT_MAC_SHARED)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        ctx.events
+            .publish(host, true, "BootMACShared", message)
+            .await;
+    }
+    Ok(())
+}
+
 fn host_key(host: &MetalHost) -> String {
     object_key(
         "MetalHost",
@@ -520,32 +553,11 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     }
     let now = conditions::now();
     let jitter = 0.9 + rand::random::<f64>() * 0.2;
-    let mut interval = ctx.poll_interval.mul_f64(jitter);
+    let interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
     let facts = attempt_facts(&host, &ctx.stores.boot_secrets);
-    let shared_with = hosts_sharing_boot_mac(&ctx.stores.host_index, &host);
+    let sharers = boot_mac_sharers(&ctx.stores.host_index, &host);
     let previous_state = host.status.as_ref().and_then(|s| s.state);
-    if !shared_with.is_empty() {
-        interval = interval.min(SHARED_MAC_RECHECK);
-        let said = host
-            .status
-            .as_ref()
-            .is_some_and(|s| conditions::is_true(&s.conditions, BOOT_MAC_SHARED));
-        if !said {
-            ctx.events
-                .publish(
-                    host.as_ref(),
-                    true,
-                    "BootMACShared",
-                    format!(
-                        "boot MAC {} is also spec.bootMACAddress of MetalHost {}: the boot service boots none of them",
-                        host.spec.boot_mac_address,
-                        shared_with.join(", ")
-                    ),
-                )
-                .await;
-        }
-    }
     label_secrets_for_move(ctx, &host).await;
     let host_key = key(host.as_ref());
     let read_power = |power: Result<PowerState, Fault>| {
@@ -613,11 +625,19 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             };
             let failed = result.as_ref().err().cloned();
             let mut status = registration_status(&host, result, &now);
-            if failed.is_none() {
-                status = settle(&host, status, consumer, &facts, &shared_with, &now);
+            match failed {
+                None => status = settle(&host, status, consumer, &facts, &sharers, &now),
+                // Registration failed: the state stays Error with that fault, but what the
+                // status says of the MAC stays true.
+                Some(_) => say_shared_mac(
+                    &mut status,
+                    shared_mac_message(&host, &sharers),
+                    host.metadata.generation,
+                    &now,
+                ),
             }
             status.conditions.retain(|c| c.type_ != PAUSED);
-            write_status(&ctx.expectations, &api, &host, &status).await?;
+            write_and_tell(ctx, &api, &host, &status).await?;
             match failed {
                 Some(f) => {
                     if previous_state != Some(HostState::Error) {
@@ -702,8 +722,8 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 ctx.power_requests.forget(&host_key);
             }
             let polled = poll_status(status, host.metadata.generation, power, &now);
-            let status = settle(&host, polled, consumer, &facts, &shared_with, &now);
-            write_status(&ctx.expectations, &api, &host, &status).await?;
+            let status = settle(&host, polled, consumer, &facts, &sharers, &now);
+            write_and_tell(ctx, &api, &host, &status).await?;
             Ok(Action::requeue(Duration::from_secs(3)))
         }
         HostPlan::Poll => {
@@ -713,8 +733,8 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             });
             let current = host.status.clone().unwrap_or_default();
             let polled = poll_status(current, host.metadata.generation, result, &now);
-            let status = settle(&host, polled, consumer, &facts, &shared_with, &now);
-            write_status(&ctx.expectations, &api, &host, &status).await?;
+            let status = settle(&host, polled, consumer, &facts, &sharers, &now);
+            write_and_tell(ctx, &api, &host, &status).await?;
             Ok(Action::requeue(interval))
         }
         HostPlan::Wait(d) => {
@@ -724,7 +744,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 host.status.clone().unwrap_or_default(),
                 consumer,
                 &facts,
-                &shared_with,
+                &sharers,
                 &now,
             );
             if status.state != previous_state {
@@ -734,10 +754,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                     Ok(bmc) => bmc.power_state().await.map_err(|e| Fault::from_bmc(&e)),
                 });
                 let status = poll_status(status, host.metadata.generation, result, &now);
-                write_status(&ctx.expectations, &api, &host, &status).await?;
+                write_and_tell(ctx, &api, &host, &status).await?;
                 return Ok(Action::requeue(interval));
             }
-            write_status(&ctx.expectations, &api, &host, &status).await?;
+            write_and_tell(ctx, &api, &host, &status).await?;
             Ok(Action::requeue(d))
         }
     }
@@ -799,33 +819,6 @@ fn error_policy(host: Arc<MetalHost>, error: &ReconcileError, ctx: Arc<HostConte
         .after_failure("MetalHost", &key(host.as_ref()), error)
 }
 
-/// The other hosts (`namespace/name`) whose boot MAC is this host's, from the index: a lookup.
-pub fn hosts_sharing_boot_mac(
-    hosts: &crate::stores::Index<MetalHost>,
-    host: &MetalHost,
-) -> Vec<String> {
-    let Some(mac) = crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address) else {
-        return Vec::new();
-    };
-    let key = crate::controllers::metalmachine::claim::boot_mac_key(&mac);
-    hosts.pick(&key, |listed| {
-        listed
-            .iter()
-            .filter(|other| {
-                other.metadata.namespace != host.metadata.namespace
-                    || other.metadata.name != host.metadata.name
-            })
-            .map(|other| {
-                format!(
-                    "{}/{}",
-                    other.metadata.namespace.as_deref().unwrap_or_default(),
-                    other.metadata.name.as_deref().unwrap_or_default()
-                )
-            })
-            .collect()
-    })
-}
-
 /// The hosts whose credentials or CA Secret is `secret`. Every Secret change in the namespace
 /// asks this (bootstrap Secrets too, one per machine): a lookup, not a scan of every host.
 fn hosts_using(
@@ -842,46 +835,97 @@ fn hosts_using(
         .collect()
 }
 
-/// The view of a host [`boot_mac_wakes`] follows (`SharedStore::subscribe_events`).
-pub fn boot_mac(host: &MetalHost) -> Option<String> {
-    crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address)
+/// What [`boot_mac_wakes`] follows of a host (`SharedStore::subscribe_events`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMac {
+    place: (String, String),
+    mac: Option<String>,
 }
 
-/// The hosts to look at again when a host with their boot MAC comes or goes: every host of a MAC
-/// that two or more name once one of them changes, and those left when one is deleted. A host
-/// alone with its MAC wakes nobody (its own change wakes it).
+/// The view of a host [`boot_mac_wakes`] follows.
+pub fn boot_mac(host: &MetalHost) -> HostMac {
+    HostMac {
+        place: (
+            host.metadata.namespace.clone().unwrap_or_default(),
+            host.metadata.name.clone().unwrap_or_default(),
+        ),
+        mac: crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address),
+    }
+}
+
+/// The hosts to look at again when the set of hosts naming a boot MAC changes: a host that
+/// comes to a MAC others name wakes them all, and one that leaves it (deleted, or its MAC
+/// edited) wakes those left. A change that moves no host between MACs (a status write, most of
+/// them) wakes nobody. The stream remembers the MAC of each host that shared one, so that
+/// leaving it can be told; hosts alone with their MAC are not remembered.
 fn boot_mac_wakes(
-    events: impl futures::Stream<Item = watcher::Event<Option<String>>> + Send,
+    events: impl futures::Stream<Item = watcher::Event<HostMac>> + Send,
     hosts: crate::stores::Index<MetalHost>,
 ) -> impl futures::Stream<Item = ObjectRef<MetalHost>> + Send {
+    use crate::controllers::metalmachine::claim::boot_mac_key;
+    let mut shared_at: std::collections::HashMap<(String, String), String> =
+        std::collections::HashMap::new();
     events.flat_map(move |event| {
-        let (mac, fewest) = match event {
-            watcher::Event::Apply(Some(mac)) => (mac, 2),
-            watcher::Event::Delete(Some(mac)) => (mac, 1),
-            _ => return futures::stream::iter(Vec::new()),
-        };
-        let listed = hosts.get(&crate::controllers::metalmachine::claim::boot_mac_key(&mac));
-        let wake = match listed.len() >= fewest {
-            true => listed
-                .iter()
+        let listed = |mac: &str| hosts.get(&boot_mac_key(mac));
+        let mut wake = Vec::new();
+        match event {
+            watcher::Event::Apply(host) => {
+                let before = shared_at.remove(&host.place);
+                if let Some(left) = before.as_deref()
+                    && host.mac.as_deref() != Some(left)
+                {
+                    wake.extend(listed(left));
+                }
+                if let Some(mac) = host.mac {
+                    let members = listed(&mac);
+                    if members.len() >= 2 {
+                        if before.as_deref() != Some(mac.as_str()) {
+                            // A newcomer: every member's status changes, and each is remembered
+                            // so that its own next write is not taken for another coming.
+                            for member in &members {
+                                shared_at.insert(
+                                    (
+                                        member.metadata.namespace.clone().unwrap_or_default(),
+                                        member.metadata.name.clone().unwrap_or_default(),
+                                    ),
+                                    mac.clone(),
+                                );
+                            }
+                            wake.extend(members);
+                        } else {
+                            shared_at.insert(host.place, mac);
+                        }
+                    }
+                }
+            }
+            watcher::Event::Delete(host) => {
+                shared_at.remove(&host.place);
+                if let Some(mac) = host.mac {
+                    wake.extend(listed(&mac));
+                }
+            }
+            // A re-list passes every host to the controller at its end.
+            watcher::Event::Init => shared_at.clear(),
+            watcher::Event::InitApply(_) | watcher::Event::InitDone => {}
+        }
+        futures::stream::iter(
+            wake.iter()
                 .map(|h| ObjectRef::from_obj(h.as_ref()))
-                .collect(),
-            false => Vec::new(),
-        };
-        futures::stream::iter(wake)
+                .collect::<Vec<_>>(),
+        )
     })
 }
 
 /// The controller over the shared host stream; a consumer's change (provisioned, deleting)
 /// wakes its host, a changed credentials Secret re-checks the hosts using it, and a host that
-/// comes or goes with a boot MAC others have wakes them (`host_macs`: the shared host store's
+/// comes to or leaves a boot MAC others name wakes them (`host_macs`: the shared host store's
 /// events through [`boot_mac`]).
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
     stores: &SharedStores,
     hosts: crate::stores::Changes<MetalHost>,
-    host_macs: futures::stream::BoxStream<'static, watcher::Event<Option<String>>>,
+    host_macs: futures::stream::BoxStream<'static, watcher::Event<HostMac>>,
     machines: crate::stores::Changes<MetalMachine>,
     secret_meta: kube::runtime::reflector::store::Writer<PartialObjectMeta<Secret>>,
 ) -> Controller<MetalHost> {
@@ -1255,7 +1299,7 @@ mod tests {
             status,
             Consumer::Provisioned,
             &AttemptFacts::default(),
-            &[],
+            &MacSharers::default(),
             &now,
         );
         assert_eq!(kept.state, Some(HostState::Provisioned));
@@ -1310,7 +1354,7 @@ mod tests {
                 status,
                 Consumer::Provisioning,
                 &learned(fact),
-                &[],
+                &MacSharers::default(),
                 &now,
             );
             assert_eq!(settled.bmc.and_then(|b| b.boot_once), want, "{what}");
@@ -1321,7 +1365,7 @@ mod tests {
             unprobed,
             Consumer::Provisioning,
             &learned(Some(BootOnce::Continuous)),
-            &[],
+            &MacSharers::default(),
             &now,
         );
         assert_eq!(settled.bmc, None, "no probe record is made up");
@@ -1336,7 +1380,10 @@ mod tests {
             Some(registered(HostState::Available, PowerState::Off, 0)),
             true,
         );
-        let others = ["ns/copy".to_string()];
+        let others = MacSharers {
+            first: vec!["ns/copy".to_string()],
+            count: 1,
+        };
         let facts = AttemptFacts::default();
         let shared = settle(
             &free,
@@ -1361,7 +1408,7 @@ mod tests {
             was_shared.status.clone().unwrap_or_default(),
             Consumer::Unclaimed,
             &facts,
-            &[],
+            &MacSharers::default(),
             &now,
         );
         assert_eq!(alone.state, Some(HostState::Available));
@@ -1389,10 +1436,11 @@ mod tests {
         assert!(conditions::is_true(&both.conditions, BOOT_MAC_SHARED));
     }
 
-    /// A host that comes with a MAC another host has wakes both; one that goes wakes those
-    /// left; a host alone with its MAC, or without a readable one, wakes nobody.
+    /// A host that comes to a MAC another host names wakes both, once: their own status writes
+    /// after that wake nobody. One that leaves the MAC, by an edit or by deletion, wakes those
+    /// left. A host alone with its MAC, or without a readable one, wakes nobody.
     #[tokio::test]
-    async fn hosts_are_woken_by_the_comings_and_goings_of_their_boot_mac() {
+    async fn hosts_are_woken_when_the_hosts_naming_their_boot_mac_change() {
         use kube::runtime::reflector;
         use watcher::Event;
         let named = |name: &str, mac: &str| {
@@ -1407,28 +1455,67 @@ mod tests {
             crate::stores::Index::new(crate::controllers::metalmachine::claim::host_index_keys);
         let a = named("a", "52:54:00:00:00:0a");
         let copy = named("copy", "52:54:00:00:00:0A");
-        let alone = named("alone", "52:54:00:00:00:0b");
-        // Each step: the event the store applies, then what the controller is told.
-        let steps: Vec<(Event<MetalHost>, Vec<&str>)> = vec![
-            (Event::Apply(a.clone()), vec![]),
-            (Event::Apply(alone.clone()), vec![]),
-            (Event::Apply(copy.clone()), vec!["a", "copy"]),
-            (Event::Delete(copy.clone()), vec!["a"]),
-            (Event::Delete(a.clone()), vec![]),
-            (Event::Apply(named("bad", "not a MAC")), vec![]),
+        let mut a_in_error = a.clone();
+        a_in_error.status = Some(registered(HostState::Error, PowerState::Off, 0));
+        let mut copy_fixed = copy.clone();
+        copy_fixed.spec.boot_mac_address = "52:54:00:00:00:0c".into();
+        let steps: Vec<(&str, Event<MetalHost>, Vec<&str>)> = vec![
+            ("a alone", Event::Apply(a.clone()), vec![]),
+            (
+                "another alone",
+                Event::Apply(named("alone", "52:54:00:00:00:0b")),
+                vec![],
+            ),
+            (
+                "the copy comes",
+                Event::Apply(copy.clone()),
+                vec!["a", "copy"],
+            ),
+            ("a's status write", Event::Apply(a_in_error.clone()), vec![]),
+            (
+                "the copy's status write",
+                Event::Apply(copy.clone()),
+                vec![],
+            ),
+            (
+                "the copy's MAC is fixed",
+                Event::Apply(copy_fixed.clone()),
+                vec!["a"],
+            ),
+            (
+                "the fixed copy again",
+                Event::Apply(copy_fixed.clone()),
+                vec![],
+            ),
+            (
+                "the copy comes back",
+                Event::Apply(copy.clone()),
+                vec!["a", "copy"],
+            ),
+            (
+                "the copy is deleted",
+                Event::Delete(copy.clone()),
+                vec!["a"],
+            ),
+            ("a is deleted", Event::Delete(a.clone()), vec![]),
+            ("no MAC", Event::Apply(named("bad", "not a MAC")), vec![]),
         ];
-        for (event, want) in steps {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let mut woken = boot_mac_wakes(rx, index.clone());
+        for (what, event, want) in steps {
             index.apply(&mut writer, &store, &event);
             let viewed = match &event {
                 Event::Apply(h) => Event::Apply(boot_mac(h)),
                 Event::Delete(h) => Event::Delete(boot_mac(h)),
                 _ => Event::InitDone,
             };
-            let woken: Vec<String> = boot_mac_wakes(futures::stream::iter([viewed]), index.clone())
-                .map(|r| r.name)
-                .collect()
-                .await;
-            assert_eq!(woken, want, "after {event:?}");
+            let _ = tx.unbounded_send(viewed);
+            // What the event woke is ready at once; then the stream waits for the next event.
+            let mut got = Vec::new();
+            while let Some(Some(next)) = futures::FutureExt::now_or_never(woken.next()) {
+                got.push(next.name);
+            }
+            assert_eq!(got, want, "{what}");
         }
     }
 

@@ -108,6 +108,65 @@ pub fn boot_mac_key(mac: &str) -> String {
     format!("mac/{mac}")
 }
 
+/// The hosts that name one boot MAC, besides the one asking: the first few (`namespace/name`,
+/// in order) and how many. A placeholder MAC copied onto hundreds of hosts must not put hundreds
+/// of names in each one's status.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MacSharers {
+    pub first: Vec<String>,
+    pub count: usize,
+}
+
+/// How many of the hosts sharing a MAC are named.
+const SHARERS_NAMED: usize = 3;
+
+impl MacSharers {
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The hosts of `listed` other than `except`.
+    pub fn of(listed: &[&Arc<MetalHost>], except: Option<&MetalHost>) -> Self {
+        let others = listed.iter().filter(|h| {
+            except.is_none_or(|e| {
+                h.metadata.namespace != e.metadata.namespace || h.metadata.name != e.metadata.name
+            })
+        });
+        let mut sharers = MacSharers::default();
+        for other in others {
+            if sharers.first.len() < SHARERS_NAMED {
+                sharers.first.push(format!(
+                    "{}/{}",
+                    other.metadata.namespace.as_deref().unwrap_or_default(),
+                    other.metadata.name.as_deref().unwrap_or_default()
+                ));
+            }
+            sharers.count += 1;
+        }
+        sharers
+    }
+}
+
+impl std::fmt::Display for MacSharers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.first.join(", "))?;
+        match self.count.saturating_sub(self.first.len()) {
+            0 => Ok(()),
+            more => write!(f, " and {more} more"),
+        }
+    }
+}
+
+/// The hosts besides `host` that name its boot MAC (none when its MAC does not read).
+pub fn boot_mac_sharers(index: &crate::stores::Index<MetalHost>, host: &MetalHost) -> MacSharers {
+    match crate::boot::ipxe::normalize_mac(&host.spec.boot_mac_address) {
+        Some(mac) => index.pick(&boot_mac_key(&mac), |listed| {
+            MacSharers::of(listed, Some(host))
+        }),
+        None => MacSharers::default(),
+    }
+}
+
 /// The host index key of the hosts whose BMC credentials or CA Secret is `namespace/name`.
 pub fn secret_key(namespace: &str, name: &str) -> String {
     format!("secret/{namespace}/{name}")
@@ -252,7 +311,9 @@ const PROBES: u64 = 16;
 /// (claims of this process on their way) are passed over unless every free host is one of them.
 ///
 /// The host is the first of [`PROBES`] draws among the free hosts, by a hash of the machine,
-/// that it may claim; when no draw is, the first by [`rank`] of those it may claim. Either way
+/// that it may claim; when no draw is, the first by [`rank`] of those it may claim. A host whose
+/// boot MAC another host names is never handed out, though it may still be listed free until
+/// the MetalHost controller marks it (the boot service would not boot it). Either way
 /// each host it may claim is as likely as another, wherever it sits in the list (a rack's hosts
 /// named in a row too). The draws read the index borrowed, in one look: copying every free
 /// host, hashing it against the claims in flight and ranking it on every claiming pass was
@@ -276,25 +337,36 @@ pub fn free_host_to_claim(
         (seed.as_str(), k).hash(&mut hasher);
         (hasher.finish() % len as u64) as usize
     };
-    let takes = |h: &MetalHost, skipping: bool| claimable.admits(h) && !(skipping && skip(h));
+    let mut shared: Vec<String> = Vec::new();
+    let takes = |h: &MetalHost, skipping: bool, shared: &[String]| {
+        claimable.admits(h)
+            && !(skipping && skip(h))
+            && !shared.iter().any(|s| Some(s) == h.metadata.name.as_ref())
+    };
     let key = free_key(namespace);
-    let drawn = index.pick(&key, |free| {
-        if free.is_empty() {
-            return None;
+    // The MAC check reads the index, so it is made outside the draws' look at it; a drawn host
+    // that fails it is passed over and the draws are made again (a mistake, so rare).
+    for _ in 0..PROBES {
+        let drawn = index.pick(&key, |free| {
+            if free.is_empty() {
+                return None;
+            }
+            let skipping = free.iter().any(|h| !skip(h));
+            (0..PROBES)
+                .map(|k| free[draw(k, free.len())])
+                .find(|h| takes(h, skipping, &shared))
+                .cloned()
+        });
+        match drawn {
+            Some(host) if boot_mac_sharers(index, &host).is_empty() => return vec![host],
+            Some(host) => shared.push(host.name_any()),
+            None => break,
         }
-        let skipping = free.iter().any(|h| !skip(h));
-        (0..PROBES)
-            .map(|k| free[draw(k, free.len())])
-            .find(|h| takes(h, skipping))
-            .cloned()
-    });
-    if let Some(host) = drawn {
-        return vec![host];
     }
     let free = index.get(&key);
     let skipping = free.iter().any(|h| !skip(h));
     free.into_iter()
-        .filter(|h| takes(h, skipping))
+        .filter(|h| takes(h, skipping, &shared) && boot_mac_sharers(index, h).is_empty())
         .min_by_key(|h| rank(&seed, h))
         .into_iter()
         .collect()
@@ -330,6 +402,7 @@ mod tests {
             name,
             MetalHostSpec {
                 online,
+                boot_mac_address: mac_of(name),
                 ..MetalHostSpec::for_tests()
             },
         );
@@ -347,6 +420,15 @@ mod tests {
         Arc::new(h)
     }
 
+    /// A boot MAC of its own for each name (hosts that share one are never handed out).
+    fn mac_of(name: &str) -> String {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        name.hash(&mut hasher);
+        let b = hasher.finish().to_be_bytes();
+        format!("52:54:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3])
+    }
+
     fn mm(selector: Option<LabelSelector>) -> MetalMachine {
         let mut mm = MetalMachine::new("m", Default::default());
         mm.metadata.namespace = Some("ns".into());
@@ -360,23 +442,76 @@ mod tests {
         n
     }
 
+    /// The hosts sharing a MAC are named up to three, then counted; the host asking is not one.
+    #[test]
+    fn the_hosts_sharing_a_mac_are_named_a_few_then_counted() {
+        let hosts: Vec<_> = (0..6)
+            .map(|i| host(&format!("h{i}"), HostState::Available, true, &[]))
+            .collect();
+        let all: Vec<&Arc<MetalHost>> = hosts.iter().collect();
+        let seen_by_h1 = MacSharers::of(&all, Some(&hosts[1]));
+        assert_eq!(seen_by_h1.count, 5);
+        assert_eq!(seen_by_h1.to_string(), "ns/h0, ns/h2, ns/h3 and 2 more");
+        assert_eq!(MacSharers::of(&all[..2], None).to_string(), "ns/h0, ns/h1");
+        assert!(MacSharers::of(&all[..1], Some(&hosts[0])).is_empty());
+    }
+
+    /// A free host whose boot MAC another host names is never handed out, whether the draws or
+    /// the ranked scan behind them find it, while it is still listed free.
+    #[test]
+    fn a_free_host_whose_boot_mac_is_shared_is_not_handed_out() {
+        let fd = DEFAULT_FAILURE_DOMAIN_LABEL;
+        let mut hosts: Vec<_> = (0..40)
+            .map(|i| host(&format!("h{i:03}"), HostState::Available, true, &[]))
+            .collect();
+        // h000..h019 are free and share one MAC with a claimed host; h020.. have their own.
+        let mut claimed = (*host("claimed", HostState::Provisioned, true, &[])).clone();
+        claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("x", "ns"));
+        claimed.spec.boot_mac_address = "52:54:00:00:00:aa".into();
+        for h in hosts.iter_mut().take(20) {
+            let mut copy = (**h).clone();
+            copy.spec.boot_mac_address = "52:54:00:00:00:AA".into();
+            *h = Arc::new(copy);
+        }
+        hosts.push(Arc::new(claimed));
+        let index = indexed(&hosts);
+        let never = |_: &MetalHost| false;
+        for i in 0..200 {
+            let mut machine = mm(None);
+            machine.metadata.name = Some(format!("m{i}"));
+            machine.metadata.uid = Some(format!("uid-{i}"));
+            let found = free_host_to_claim(&index, "ns", &machine, None, fd, never);
+            let name = found.first().map(|h| h.name_any()).unwrap_or_default();
+            assert!(name.as_str() >= "h020", "m{i} was handed {name:?}");
+        }
+        // Only shared hosts free: nothing is handed out (the ranked scan agrees).
+        let only_shared: Vec<_> = hosts
+            .iter()
+            .filter(|h| {
+                h.spec
+                    .boot_mac_address
+                    .eq_ignore_ascii_case("52:54:00:00:00:aa")
+            })
+            .cloned()
+            .collect();
+        let index = indexed(&only_shared);
+        assert!(free_host_to_claim(&index, "ns", &mm(None), None, fd, never).is_empty());
+    }
+
     /// A claimed host is listed under its consumer (wherever that machine lives), a free one
     /// under its namespace, and every host under its BMC Secrets and its boot MAC (normalized,
     /// the way the boot service writes a request's MAC).
     #[test]
     fn hosts_are_indexed_by_consumer_as_free_by_bmc_secret_and_by_boot_mac() {
         let credentials = secret_key("ns", "c");
-        let mac = boot_mac_key("52:54:00:00:00:01");
+        let mac = |name: &str| boot_mac_key(&mac_of(name));
         let free = host("a", HostState::Available, true, &[]);
         assert_eq!(
             host_index_keys(&free),
-            [free_key("ns"), credentials.clone(), mac.clone()]
+            [free_key("ns"), credentials.clone(), mac("a")]
         );
         let mut offline = (*host("b", HostState::Available, false, &[])).clone();
-        assert_eq!(
-            host_index_keys(&offline),
-            [credentials.clone(), mac.clone()]
-        );
+        assert_eq!(host_index_keys(&offline), [credentials.clone(), mac("b")]);
         offline.spec.bmc.ca_secret_name = Some("ca".into());
         offline.spec.boot_mac_address = "52:54:00:AB:cd:0F".into();
         assert_eq!(
@@ -396,12 +531,12 @@ mod tests {
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "ns"));
         assert_eq!(
             host_index_keys(&claimed),
-            [consumer_key("ns", "m"), credentials.clone(), mac.clone()]
+            [consumer_key("ns", "m"), credentials.clone(), mac("c")]
         );
         claimed.spec.consumer_ref = Some(ConsumerReference::to_metal_machine("m", "elsewhere"));
         assert_eq!(
             host_index_keys(&claimed),
-            [consumer_key("elsewhere", "m"), credentials, mac]
+            [consumer_key("elsewhere", "m"), credentials, mac("c")]
         );
     }
 
