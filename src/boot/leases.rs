@@ -4,9 +4,14 @@
 //! Rules: a MetalHost's reservation (`spec.bootIPAddress`) always goes to its boot MAC and never
 //! to anyone else; a client keeps its address while its lease lives and gets it back after it
 //! expired if nobody took it; a new client gets the lowest address never leased, then the one
-//! whose lease expired longest ago. Every lease is written to the lease file (atomically) before
-//! the ACK leaves, so a restarted manager never hands out an address a live client holds. An
-//! offer holds its address for a short time, so two DISCOVERs never get the same one.
+//! whose lease expired longest ago. Every lease is written to the lease file before the ACK
+//! leaves, so a restarted manager never hands out an address a live client holds. An offer holds
+//! its address for a short time, so two DISCOVERs never get the same one.
+//!
+//! The lease file is a journal, as ISC dhcpd keeps its own: one JSON line per change, appended,
+//! the last line of an address winning, rewritten whole (atomically) once it holds more than
+//! twice the lines it needs. Rewriting every lease on every ACK cost a fleet of N hosts booting
+//! at once O(N²) bytes written.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::Ipv4Addr;
@@ -98,7 +103,8 @@ impl Pool {
     }
 }
 
-/// One lease as the lease file keeps it (seconds since the Unix epoch).
+/// One lease as the lease file keeps it (seconds since the Unix epoch). A line with an empty
+/// `mac` says the address has no lease any more.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     pub mac: String,
@@ -140,6 +146,69 @@ pub struct Leases {
     /// Boot MAC → its MetalHost's reserved address.
     reservations: BTreeMap<String, Ipv4Addr>,
     file: Option<PathBuf>,
+    /// Lines in the lease file now: past twice the leases it must keep (plus some), it is
+    /// rewritten with those only.
+    journal_lines: usize,
+    /// An append failed and may have left part of a line: the next write rewrites the file.
+    torn: bool,
+}
+
+/// Lines a lease file may hold beyond twice its leases before it is rewritten.
+const JOURNAL_SLACK: usize = 1024;
+
+/// A lease as one line of the lease file.
+fn lease_line(lease: &Lease) -> Result<Vec<u8>, String> {
+    let mut line = serde_json::to_vec(lease).map_err(|e| e.to_string())?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// What a lease file says: the leases by address, how many lines it has, and whether it must
+/// be rewritten before anything is appended to it.
+struct LeaseFile {
+    by_ip: BTreeMap<Ipv4Addr, Lease>,
+    lines: usize,
+    rewrite: bool,
+}
+
+/// Reads a lease file: the last line of each address wins. A first line that opens a JSON array
+/// is the whole-file format written before the journal. A last line cut short (the process died
+/// while appending it) is dropped: that lease was never acknowledged. Either way the file is to
+/// be rewritten, so that a line appended next never follows a torn one or an array.
+fn read_lease_file(bytes: &[u8]) -> Result<LeaseFile, String> {
+    let mut by_ip = BTreeMap::new();
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+        let recorded: Vec<Lease> = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        let lines = recorded.len();
+        for lease in recorded {
+            by_ip.insert(lease.ip, lease);
+        }
+        return Ok(LeaseFile {
+            by_ip,
+            lines,
+            rewrite: true,
+        });
+    }
+    let text = std::str::from_utf8(bytes).map_err(|e| e.to_string())?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let complete = text.is_empty() || text.ends_with('\n');
+    for (i, line) in lines.iter().enumerate() {
+        let lease: Lease = match serde_json::from_str(line) {
+            Ok(lease) => lease,
+            // Cut short: the input ends inside a record (anything else is damage).
+            Err(e) if e.is_eof() && i + 1 == lines.len() && !complete => break,
+            Err(e) => return Err(format!("line {}: {e}", i + 1)),
+        };
+        match lease.mac.is_empty() {
+            true => by_ip.remove(&lease.ip),
+            false => by_ip.insert(lease.ip, lease),
+        };
+    }
+    Ok(LeaseFile {
+        by_ip,
+        lines: lines.len(),
+        rewrite: !complete,
+    })
 }
 
 impl Leases {
@@ -150,6 +219,8 @@ impl Leases {
             by_ip: BTreeMap::new(),
             reservations: BTreeMap::new(),
             file: file.map(Path::to_path_buf),
+            journal_lines: 0,
+            torn: false,
         };
         let Some(path) = file else {
             return Ok(leases);
@@ -162,10 +233,11 @@ impl Leases {
             Ok(bytes) => {
                 // A lease file that cannot be read stops the service: starting empty could hand
                 // a live client's address to another.
-                let recorded: Vec<Lease> =
-                    serde_json::from_slice(&bytes).map_err(|e| err(e.to_string()))?;
-                for lease in recorded {
-                    leases.by_ip.insert(lease.ip, lease);
+                let read = read_lease_file(&bytes).map_err(err)?;
+                leases.by_ip = read.by_ip;
+                leases.journal_lines = read.lines;
+                if read.rewrite {
+                    leases.rewrite(path, leases.by_ip.clone()).map_err(err)?;
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -279,15 +351,23 @@ impl Leases {
             .filter(|l| l.mac == mac && l.ip != ip)
             .map(|l| l.ip)
             .collect();
-        let before = self.by_ip.clone();
+        let mut changes: Vec<Lease> = stale
+            .iter()
+            .map(|&ip| Lease {
+                mac: String::new(),
+                ip,
+                expires: 0,
+                offered: false,
+            })
+            .collect();
+        changes.push(lease.clone());
+        if let Err(e) = self.persist(&changes) {
+            return Err(Refused::NotRecorded(e));
+        }
         for s in stale {
             self.by_ip.remove(&s);
         }
         self.by_ip.insert(ip, lease.clone());
-        if let Err(e) = self.persist() {
-            self.by_ip = before;
-            return Err(Refused::NotRecorded(e));
-        }
         Ok(lease)
     }
 
@@ -295,20 +375,24 @@ impl Leases {
     /// is kept away from everyone for a lease time).
     pub fn release(&mut self, mac: &str, ip: Ipv4Addr, declined: bool, now: u64) {
         if self.by_ip.get(&ip).is_some_and(|l| l.mac == mac) {
-            if declined {
-                self.by_ip.insert(
+            let lease = match declined {
+                true => Lease {
+                    mac: "declined".into(),
                     ip,
-                    Lease {
-                        mac: "declined".into(),
-                        ip,
-                        expires: now + self.pool.lease_time.as_secs(),
-                        offered: false,
-                    },
-                );
-            } else if let Some(lease) = self.by_ip.get_mut(&ip) {
-                lease.expires = now;
-            }
-            let _ = self.persist();
+                    expires: now + self.pool.lease_time.as_secs(),
+                    offered: false,
+                },
+                false => Lease {
+                    mac: mac.to_string(),
+                    ip,
+                    expires: now,
+                    offered: false,
+                },
+            };
+            // Kept in memory even when the file refuses it: the address is only more careful
+            // to give away, and a restart falls back to the recorded lease.
+            let _ = self.persist(std::slice::from_ref(&lease));
+            self.by_ip.insert(ip, lease);
         }
     }
 
@@ -319,16 +403,58 @@ impl Leases {
             .find(|l| l.mac == mac && !l.offered && l.expires > now)
     }
 
-    fn persist(&self) -> Result<(), String> {
-        let Some(path) = &self.file else {
+    /// Records `changes` (leases as they are to be; an empty `mac` removes one) before the
+    /// table takes them: appended to the journal, or the whole file rewritten with the table as
+    /// it will be once the journal has grown past twice its leases.
+    fn persist(&mut self, changes: &[Lease]) -> Result<(), String> {
+        use std::io::Write;
+        let Some(path) = self.file.clone() else {
             return Ok(());
         };
-        let recorded: Vec<&Lease> = self.by_ip.values().filter(|l| !l.offered).collect();
-        let bytes = serde_json::to_vec_pretty(&recorded).map_err(|e| e.to_string())?;
+        let recorded = self.by_ip.values().filter(|l| !l.offered).count() + changes.len();
+        if self.torn || self.journal_lines + changes.len() > 2 * recorded + JOURNAL_SLACK {
+            let mut kept = self.by_ip.clone();
+            for change in changes {
+                match change.mac.is_empty() {
+                    true => kept.remove(&change.ip),
+                    false => kept.insert(change.ip, change.clone()),
+                };
+            }
+            return self.rewrite(&path, kept);
+        }
+        let mut bytes = Vec::new();
+        for change in changes {
+            bytes.extend(lease_line(change)?);
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(&bytes))
+            .map_err(|e| {
+                self.torn = true;
+                format!("{}: {e}", path.display())
+            })?;
+        self.journal_lines += changes.len();
+        Ok(())
+    }
+
+    /// Replaces the lease file with one line per lease of `kept` (atomically: a new file
+    /// renamed over the old one).
+    fn rewrite(&mut self, path: &Path, kept: BTreeMap<Ipv4Addr, Lease>) -> Result<(), String> {
+        let mut bytes = Vec::new();
+        let mut lines = 0;
+        for lease in kept.values().filter(|l| !l.offered) {
+            bytes.extend(lease_line(lease)?);
+            lines += 1;
+        }
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, bytes)
             .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        self.journal_lines = lines;
+        self.torn = false;
+        Ok(())
     }
 }
 
@@ -453,6 +579,90 @@ mod tests {
             Leases::load(pool("10.0.0.3-10.0.0.20"), Some(&file)).is_err(),
             "an unreadable file stops the service"
         );
+    }
+
+    /// The file is a journal: each ACK appends a line, not the whole table; a restart reads
+    /// the last line of each address (a removed one stays removed, a line cut short by a crash
+    /// is dropped); past twice the lines it needs the file is rewritten with the live table.
+    /// A file in the whole-table format of before is read too.
+    #[test]
+    fn the_lease_file_is_a_journal_kept_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("leases.json");
+        let wide = || pool("10.0.0.3-10.0.0.250");
+        let mut l = Leases::load(wide(), Some(&file)).unwrap();
+        for i in 0..100 {
+            let mac = format!("c{i}");
+            let got = l.offer(&mac, None, NOW).unwrap();
+            l.request(&mac, got, NOW).unwrap();
+        }
+        let lines = |f: &Path| std::fs::read_to_string(f).unwrap().lines().count();
+        assert_eq!(lines(&file), 100, "one line per ACK");
+        // c0 moves to another address: its old one is removed, in the journal too.
+        let old = l.lease_of("c0", NOW).unwrap().ip;
+        l.request("c0", ip(250), NOW).unwrap();
+        assert_eq!(lines(&file), 102);
+        let back = Leases::load(wide(), Some(&file)).unwrap();
+        assert_eq!(back.lease_of("c0", NOW).map(|l| l.ip), Some(ip(250)));
+        assert!(!back.by_ip.contains_key(&old), "the removal was recorded");
+        assert_eq!(back.by_ip.len(), 100);
+
+        // A crash while appending: the torn last line is dropped, the rest read, and the file
+        // rewritten, so the next line appended does not follow the torn one.
+        let mut torn = std::fs::read(&file).unwrap();
+        torn.extend(b"{\"mac\":\"c9");
+        std::fs::write(&file, &torn).unwrap();
+        let mut restarted = Leases::load(wide(), Some(&file)).unwrap();
+        assert_eq!(restarted.by_ip.len(), 100);
+        let got = restarted.offer("after", None, NOW).unwrap();
+        restarted.request("after", got, NOW).unwrap();
+        assert_eq!(Leases::load(wide(), Some(&file)).unwrap().by_ip.len(), 101);
+        let mut bad = std::fs::read(&file).unwrap();
+        bad.extend(b"{}\n{}\n");
+        std::fs::write(&file, &bad).unwrap();
+        assert!(
+            Leases::load(wide(), Some(&file)).is_err(),
+            "a bad line that is not a torn last one stops the service"
+        );
+
+        // Renewals grow the journal until it is rewritten with one line per lease.
+        let mut l = Leases::load(wide(), None).unwrap();
+        l.file = Some(dir.path().join("renewed.json"));
+        let renewed = dir.path().join("renewed.json");
+        for i in 0..10 {
+            let mac = format!("r{i}");
+            let got = l.offer(&mac, None, NOW).unwrap();
+            l.request(&mac, got, NOW).unwrap();
+        }
+        let mut longest = 0;
+        for round in 1..=200u64 {
+            for i in 0..10 {
+                let mac = format!("r{i}");
+                let got = l.lease_of(&mac, NOW).unwrap().ip;
+                l.request(&mac, got, NOW + round).unwrap();
+            }
+            longest = longest.max(lines(&renewed));
+        }
+        assert!(longest <= 2 * 10 + JOURNAL_SLACK + 10, "{longest} lines");
+        assert!(lines(&renewed) < 2010, "rewritten along the way");
+        let back = Leases::load(wide(), Some(&renewed)).unwrap();
+        assert_eq!(back.by_ip.len(), 10);
+        assert!(back.by_ip.values().all(|l| l.expires == NOW + 200 + 3600));
+
+        // The whole-table format written before the journal.
+        let before = dir.path().join("before.json");
+        std::fs::write(
+            &before,
+            br#"[{"mac":"old","ip":"10.0.0.9","expires":2000000}]"#,
+        )
+        .unwrap();
+        let mut read = Leases::load(wide(), Some(&before)).unwrap();
+        assert_eq!(read.lease_of("old", NOW).map(|l| l.ip), Some(ip(9)));
+        let got = read.offer("new", None, NOW).unwrap();
+        read.request("new", got, NOW).unwrap();
+        let again = Leases::load(wide(), Some(&before)).unwrap();
+        assert_eq!(again.lease_of("old", NOW).map(|l| l.ip), Some(ip(9)));
+        assert_eq!(again.lease_of("new", NOW).map(|l| l.ip), Some(got));
     }
 
     #[test]
