@@ -182,6 +182,9 @@ pub struct BootState {
     addresses: Mutex<HashMap<IpAddr, String>>,
     /// When each host reached its last boot milestone (for `metalboot_boot_hop_seconds`).
     hops: Mutex<HashMap<String, std::time::Instant>>,
+    /// When `/metrics` last counted the hosts by state: at most once a second, however often
+    /// it is asked (anyone on the provisioning network may ask).
+    hosts_counted: Mutex<Option<std::time::Instant>>,
     /// Bootstrap data read from the apiserver lately, per token hash: a host that asks again
     /// (cloud-init retrying, a token holder looping) after its last read was answered costs no
     /// apiserver read for [`USER_DATA_MEMO_TTL`].
@@ -380,6 +383,7 @@ impl BootState {
             events: tokio::sync::broadcast::channel(256).0,
             addresses: Mutex::new(HashMap::new()),
             hops: Mutex::new(HashMap::new()),
+            hosts_counted: Mutex::new(None),
             user_data: moka::future::Cache::builder()
                 .max_capacity(USER_DATA_MEMO_BYTES)
                 .weigher(|_, data: &Bytes| u32::try_from(data.len() + 8).unwrap_or(u32::MAX))
@@ -766,7 +770,8 @@ pub fn router(state: Arc<BootState>) -> Router {
         .with_state(state)
 }
 
-async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
+/// Sets the hosts-per-state gauge from `hosts`.
+fn count_hosts_by_state(hosts: &Store<MetalHost>) {
     use crate::api::metalhost::HostState;
     use std::cell::Cell;
     let states = [
@@ -777,10 +782,8 @@ async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
         HostState::Deprovisioning,
         HostState::Error,
     ];
-    // One pass over the store under its read lock, nothing copied: anyone on the provisioning
-    // network may ask, and the store holds every host.
     let counts: [Cell<i64>; 6] = Default::default();
-    let _ = state.stores.hosts.find(|h| {
+    let _ = hosts.find(|h| {
         let host_state = h.status.as_ref().and_then(|s| s.state).unwrap_or_default();
         if let Some(i) = states.iter().position(|s| *s == host_state) {
             counts[i].set(counts[i].get() + 1);
@@ -794,6 +797,22 @@ async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
         .collect();
     let refs: Vec<(&str, i64)> = named.iter().map(|(s, n)| (s.as_str(), *n)).collect();
     crate::metrics::set_hosts(&refs);
+}
+
+async fn metrics_text(State(state): State<Arc<BootState>>) -> Response {
+    // At most once a second, in one pass over the store under its read lock, nothing copied:
+    // anyone on the provisioning network may ask, and the store holds every host. In between,
+    // the gauge keeps the last count.
+    let due = state.hosts_counted.lock().is_ok_and(|mut at| {
+        let due = at.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
+        if due {
+            *at = Some(std::time::Instant::now());
+        }
+        due
+    });
+    if due {
+        count_hosts_by_state(&state.stores.hosts);
+    }
     let mut response = text(StatusCode::OK, crate::metrics::render());
     response.headers_mut().insert(
         header::CONTENT_TYPE,
