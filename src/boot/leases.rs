@@ -423,14 +423,7 @@ impl Leases {
         };
         let recorded = self.by_ip.values().filter(|l| !l.offered).count() + changes.len();
         if self.torn || self.journal_lines + changes.len() > 2 * recorded + JOURNAL_SLACK {
-            let mut kept = self.by_ip.clone();
-            for change in changes {
-                match change.mac.is_empty() {
-                    true => kept.remove(&change.ip),
-                    false => kept.insert(change.ip, change.clone()),
-                };
-            }
-            return self.rewrite(&path, kept);
+            return self.rewrite(&path, self.with_changes(changes));
         }
         let mut bytes = Vec::new();
         for change in changes {
@@ -445,14 +438,7 @@ impl Leases {
         let mut file = match opened {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let mut kept = self.by_ip.clone();
-                for change in changes {
-                    match change.mac.is_empty() {
-                        true => kept.remove(&change.ip),
-                        false => kept.insert(change.ip, change.clone()),
-                    };
-                }
-                return self.rewrite(&path, kept);
+                return self.rewrite(&path, self.with_changes(changes));
             }
             Err(e) => return Err(format!("{}: {e}", path.display())),
         };
@@ -465,6 +451,18 @@ impl Leases {
             })?;
         self.journal_lines += changes.len();
         Ok(())
+    }
+
+    /// The table as it will be once it takes `changes` (an empty `mac` removes a lease).
+    fn with_changes(&self, changes: &[Lease]) -> BTreeMap<Ipv4Addr, Lease> {
+        let mut kept = self.by_ip.clone();
+        for change in changes {
+            match change.mac.is_empty() {
+                true => kept.remove(&change.ip),
+                false => kept.insert(change.ip, change.clone()),
+            };
+        }
+        kept
     }
 
     /// Replaces the lease file with one line per lease of `kept` (atomically: a new file
@@ -659,7 +657,10 @@ mod tests {
         let good = std::fs::read(&file).unwrap();
         for (what, tail) in [
             ("a cut line ended by a newline", &b"{\"mac\":\"c9\n"[..]),
-            ("a cut line before another", &b"{\"mac\":\"c9\n{\"mac\":\"c8"[..]),
+            (
+                "a cut line before another",
+                &b"{\"mac\":\"c9\n{\"mac\":\"c8"[..],
+            ),
             ("a line that is not a lease", &b"{}\n"[..]),
         ] {
             let mut bad = good.clone();
