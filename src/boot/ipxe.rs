@@ -124,25 +124,6 @@ pub fn normalize_mac(raw: &str) -> Option<String> {
     Some(parts.join(":").to_ascii_lowercase())
 }
 
-/// Whether `raw` is the MAC address `normalized` (as [`normalize_mac`] writes it) in any case and
-/// with either separator: [`normalize_mac`]`(raw) == Some(normalized)`, without allocating (the
-/// boot service compares a request's MAC with every host's).
-pub fn mac_matches(raw: &str, normalized: &str) -> bool {
-    raw.len() == 17
-        && normalized.len() == 17
-        && raw
-            .bytes()
-            .zip(normalized.bytes())
-            .enumerate()
-            .all(|(i, (r, n))| {
-                if i % 3 == 2 {
-                    matches!(r, b':' | b'-') && n == b':'
-                } else {
-                    r.is_ascii_hexdigit() && r.to_ascii_lowercase() == n
-                }
-            })
-}
-
 /// Characters that would let a value change the meaning of an iPXE command line.
 fn unsafe_for_ipxe(value: &str) -> bool {
     value.contains("${")
@@ -312,28 +293,6 @@ pub fn choose_script(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn mac_matches_is_normalize_mac_without_allocating() {
-        let normalized = "52:54:00:ab:cd:0f";
-        for raw in [
-            "52:54:00:ab:cd:0f",
-            "52-54-00-AB-CD-0F",
-            "52:54-00:Ab:cD-0f",
-            "52:54:00:ab:cd:0e",
-            "52:54:00:ab:cd:0",
-            "52:54:00:ab:cd:0f:",
-            "52:54:00:ab:cd:gf",
-            "52.54.00.ab.cd.0f",
-            "",
-        ] {
-            assert_eq!(
-                mac_matches(raw, normalized),
-                normalize_mac(raw).as_deref() == Some(normalized),
-                "{raw:?}"
-            );
-        }
-    }
-
     use super::*;
     use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec, MetalHostStatus};
     use crate::api::metalmachine::{BootProfile, MetalMachineSpec};
