@@ -154,8 +154,37 @@ fn free_port() -> io::Result<u16> {
         .port())
 }
 
+impl ControlPlaneError {
+    /// A process found the loopback port it was given taken: between `free_port` and the
+    /// process's bind, another process (a test starting a control plane beside this one) took it.
+    fn lost_a_port(&self) -> bool {
+        matches!(self, ControlPlaneError::Exited { tail, .. } if tail.contains("address already in use"))
+    }
+}
+
+/// Starts made again after a process found its port taken.
+const PORT_RACE_RETRIES: u32 = 3;
+
 impl ControlPlane {
+    /// Starts etcd and kube-apiserver (and kube-controller-manager for joins) on free loopback
+    /// ports. A port is found free, then handed to a process, and another process may take it
+    /// in between: such a start is made again on new ports, a few times.
     pub async fn start(opts: &Options) -> Result<Self, ControlPlaneError> {
+        let mut retries = 0;
+        loop {
+            match Self::start_once(opts).await {
+                Err(e) if retries < PORT_RACE_RETRIES && e.lost_a_port() => {
+                    retries += 1;
+                    tracing::info!(retries, error = %e, "a control-plane port was taken before its process bound it; starting again on new ports");
+                    // etcd may have begun its data directory with the old peer address.
+                    let _ = fs::remove_dir_all(opts.data_dir.join("etcd"));
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once(opts: &Options) -> Result<Self, ControlPlaneError> {
         let etcd_bin = opts.bin_dir.join("etcd");
         let apiserver_bin = opts.bin_dir.join("kube-apiserver");
         let kcm_bin = opts.bin_dir.join("kube-controller-manager");
@@ -920,5 +949,35 @@ mod kubeadm_config_tests {
                 init["bootstrapTokens"][0]["token"]
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod port_race_tests {
+    use super::*;
+
+    /// A process that exited because its port was taken is started again; any other exit is
+    /// reported. The apiserver's line is the one a fresh-clone CI run failed on (2026-11-30).
+    #[test]
+    fn only_a_taken_port_makes_the_start_again() {
+        let exited = |tail: &str| ControlPlaneError::Exited {
+            name: "kube-apiserver",
+            status: "exit status: 1".into(),
+            log: PathBuf::from("kube-apiserver.log"),
+            tail: tail.into(),
+        };
+        let apiserver = r#"E1130 21:36:33.095928    4133 run.go:72] "command failed" err="failed to create listener: failed to listen on 127.0.0.1:41265: listen tcp 127.0.0.1:41265: bind: address already in use""#;
+        let etcd = r#"{"level":"fatal","msg":"discovery failed","error":"listen tcp 127.0.0.1:40123: bind: address already in use"}"#;
+        assert!(exited(apiserver).lost_a_port());
+        assert!(exited(etcd).lost_a_port());
+        assert!(!exited("E1130 open /nonexistent/ca.crt: no such file or directory").lost_a_port());
+        assert!(
+            !ControlPlaneError::NotReady {
+                log: PathBuf::from("kube-apiserver.log"),
+                tail: "address already in use".into(),
+            }
+            .lost_a_port(),
+            "a control plane that never got ready is not started again"
+        );
     }
 }
