@@ -365,11 +365,19 @@ pub fn free_host_to_claim(
     }
     let free = index.get(&key);
     let skipping = free.iter().any(|h| !skip(h));
-    free.into_iter()
-        .filter(|h| takes(h, skipping, &shared) && boot_mac_sharers(index, h).is_empty())
-        .min_by_key(|h| rank(&seed, h))
-        .into_iter()
-        .collect()
+    // The MAC is checked on the best-ranked host only, not on every free one: a host passed
+    // over for it is left out and the next best looked at (sharing is a mistake, so rare).
+    loop {
+        let best = free
+            .iter()
+            .filter(|h| takes(h, skipping, &shared))
+            .min_by_key(|h| rank(&seed, h));
+        match best {
+            Some(host) if boot_mac_sharers(index, host).is_empty() => return vec![host.clone()],
+            Some(host) => shared.push(host.name_any()),
+            None => return Vec::new(),
+        }
+    }
 }
 
 /// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
