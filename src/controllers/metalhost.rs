@@ -278,7 +278,32 @@ fn say_shared_mac(
 /// Applies the derived state and what goes with it (error fields, the consumer and shared-MAC
 /// conditions, the deploy agent's inspection, and how the BMC keeps a one-time boot when the
 /// probe record does not say yet). `sharers`: the other hosts with this host's boot MAC.
+///
+/// How the BMC keeps a one-time boot rides with the next status write rather than making one of
+/// its own (about one of a host's three writes in a fleet's boot): until then the MetalMachine
+/// controller reads it from the boot Secret, where it was learned, and a fact lost with that
+/// Secret is read back from the BMC at the next power-on.
 fn settle(
+    host: &MetalHost,
+    status: MetalHostStatus,
+    consumer: Consumer,
+    facts: &AttemptFacts,
+    sharers: &MacSharers,
+    now: &Time,
+) -> MetalHostStatus {
+    let mut status = settle_state(host, status, consumer, facts, sharers, now);
+    let changes = super::status_changes(host.status.as_ref(), &status);
+    if let (Some(learned), Some(bmc)) = (facts.boot_once, status.bmc.as_mut())
+        && bmc.boot_once.is_none()
+        && changes
+    {
+        bmc.boot_once = Some(learned);
+    }
+    status
+}
+
+/// [`settle`] but for the learned one-time boot.
+fn settle_state(
     host: &MetalHost,
     mut status: MetalHostStatus,
     consumer: Consumer,
@@ -288,11 +313,6 @@ fn settle(
 ) -> MetalHostStatus {
     if let Some(agent) = &facts.inspection {
         status.hardware = Some(merge_inspection(status.hardware.as_ref(), agent));
-    }
-    if let (Some(learned), Some(bmc)) = (facts.boot_once, status.bmc.as_mut())
-        && bmc.boot_once.is_none()
-    {
-        bmc.boot_once = Some(learned);
     }
     let generation = host.metadata.generation;
     let state = desired_state(host, &status, consumer, !sharers.is_empty());
@@ -1307,7 +1327,8 @@ mod tests {
 
     /// How the BMC kept the power-on's one-time boot, learned by the MetalMachine controller on
     /// the boot Secret, fills the probe record's `bootOnce` when it is unknown; a known value
-    /// stays, and without a probe record there is nothing to fill.
+    /// stays, and without a probe record there is nothing to fill. It is written with the next
+    /// change of the status, never alone.
     #[test]
     fn the_probe_record_learns_how_the_bmc_keeps_a_one_time_boot() {
         use crate::api::metalhost::BmcCapabilities;
@@ -1369,6 +1390,44 @@ mod tests {
             &now,
         );
         assert_eq!(settled.bmc, None, "no probe record is made up");
+
+        // Learned while nothing else in the status changes: it waits for the next write, and
+        // rides with it.
+        let written = settle(
+            &claimed,
+            probed(None),
+            Consumer::Provisioning,
+            &learned(None),
+            &MacSharers::default(),
+            &now,
+        );
+        let mut quiet = host(Some(written.clone()), true);
+        quiet.spec.consumer_ref = claimed.spec.consumer_ref.clone();
+        let alone = settle(
+            &quiet,
+            written.clone(),
+            Consumer::Provisioning,
+            &learned(Some(BootOnce::Continuous)),
+            &MacSharers::default(),
+            &now,
+        );
+        assert_eq!(alone, written, "a write for the learned fact alone");
+        let with_provisioned = settle(
+            &quiet,
+            written,
+            Consumer::Provisioned,
+            &learned(Some(BootOnce::Continuous)),
+            &MacSharers::default(),
+            &now,
+        );
+        assert_eq!(
+            (
+                with_provisioned.state,
+                with_provisioned.bmc.and_then(|b| b.boot_once)
+            ),
+            (Some(HostState::Provisioned), Some(BootOnce::Continuous)),
+            "the next write carries it"
+        );
     }
 
     /// A shared boot MAC puts an unclaimed host in Error with its own type, message and

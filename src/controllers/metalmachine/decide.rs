@@ -693,7 +693,7 @@ fn decide_provisioned(
     // override (its probe record says `Continuous`): the boot that called back did not consume
     // it, so it is not set again.
     let disk_override_holds = |host: &MetalHost| {
-        boot_once_of(host) == Some(BootOnce::Continuous)
+        boot_once_known(o, host) == Some(BootOnce::Continuous)
             && matches!(&o.boot, BootObservation::Record(r) if r.disk_boot_at.is_some())
     };
     // The boot Secret goes only once the store shows this machine ready: a decision from a store
@@ -719,6 +719,15 @@ pub fn boot_once_of(host: &MetalHost) -> Option<BootOnce> {
     host.status.as_ref()?.bmc.as_ref()?.boot_once
 }
 
+/// [`boot_once_of`], or, until the MetalHost controller copies it there (with its next status
+/// write), what this attempt's power-on read back and noted on the boot Secret.
+fn boot_once_known(o: &Observed, host: &MetalHost) -> Option<BootOnce> {
+    boot_once_of(host).or(match &o.boot {
+        BootObservation::Record(r) if r.host == host.name_any() => r.boot_once,
+        _ => None,
+    })
+}
+
 /// A provisioned live-mode host is diskless: every power-on network-boots its OS again, and each
 /// boot gets a token of its own. After a boot's callback (the provisioning one included) the
 /// boot Secret is re-armed for the next boot: a fresh token, the same instance-id, providerID
@@ -740,7 +749,7 @@ fn live_next_boot(
     // The boot that just called back consumed the one-time network boot, unless the BMC keeps
     // every override (its probe record says `Continuous`): then the network boot set before
     // still holds, and is not set again.
-    let netboot_consumed = boot_once_of(host) != Some(BootOnce::Continuous);
+    let netboot_consumed = boot_once_known(o, host) != Some(BootOnce::Continuous);
     let arm = |netboot| Step::ArmNextBoot {
         host: host_name.clone(),
         netboot,
@@ -2202,6 +2211,12 @@ mod tests {
             netboot,
         };
         let disk = || Step::BootFromDisk { host: "h1".into() };
+        // Read back at this attempt's power-on and noted on the boot Secret, not yet copied to
+        // the host's record (the MetalHost controller writes it with its next change).
+        let noted = |mut r: BootRecord, once| {
+            r.boot_once = Some(once);
+            r
+        };
         use BootOnce::{Continuous, Honoured};
         use ProvisioningMode::{Image, Live};
         let rows = vec![
@@ -2252,6 +2267,24 @@ mod tests {
                 provisioned(Image, false, restarted_into_disk(), Some(Continuous)),
                 Step::Nothing,
                 Some("Provisioned"),
+            ),
+            (
+                "live, BMC keeps overrides, said only by the boot Secret so far: still holds",
+                provisioned(Live, true, noted(called_back(), Continuous), None),
+                arm(false),
+                None,
+            ),
+            (
+                "image, BMC keeps overrides, said only by the boot Secret so far: no request",
+                provisioned(Image, false, noted(restarted_into_disk(), Continuous), None),
+                Step::Nothing,
+                Some("Provisioned"),
+            ),
+            (
+                "the host's record wins over the Secret's",
+                provisioned(Live, true, noted(called_back(), Continuous), Some(Honoured)),
+                arm(true),
+                None,
             ),
             (
                 "image, BMC keeps overrides, but no restart into the disk was recorded: set it",
