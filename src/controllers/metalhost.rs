@@ -1370,10 +1370,11 @@ mod tests {
             ),
         ];
         for (what, status, fact, want) in rows {
+            // The consumer's providerID moves the state: a write that the fact may ride with.
             let settled = settle(
                 &claimed,
                 status,
-                Consumer::Provisioning,
+                Consumer::Provisioned,
                 &learned(fact),
                 &MacSharers::default(),
                 &now,

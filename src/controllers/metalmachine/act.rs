@@ -348,9 +348,10 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             bmc.set_boot_once(BootDevice::Pxe, target.spec.boot_mode)
                 .await
                 .map_err(|e| ActError::Fault(Fault::from_bmc(&e)))?;
-            // While the host's record does not say how its BMC keeps a one-time override, the
-            // power read also reads the override back (one request on Redfish, as before).
-            let (power, boot_once) = if super::decide::boot_once_of(target).is_none() {
+            // While neither the host's record nor this attempt's boot Secret says how its BMC
+            // keeps a one-time override, the power read also reads the override back (one
+            // request on Redfish, as before).
+            let (power, boot_once) = if super::decide::boot_once_known(o, target).is_none() {
                 let (power, read) = bmc
                     .power_and_boot_override()
                     .await

@@ -721,7 +721,7 @@ pub fn boot_once_of(host: &MetalHost) -> Option<BootOnce> {
 
 /// [`boot_once_of`], or, until the MetalHost controller copies it there (with its next status
 /// write), what this attempt's power-on read back and noted on the boot Secret.
-fn boot_once_known(o: &Observed, host: &MetalHost) -> Option<BootOnce> {
+pub(super) fn boot_once_known(o: &Observed, host: &MetalHost) -> Option<BootOnce> {
     boot_once_of(host).or(match &o.boot {
         BootObservation::Record(r) if r.host == host.name_any() => r.boot_once,
         _ => None,
@@ -2279,6 +2279,21 @@ mod tests {
                 provisioned(Image, false, noted(restarted_into_disk(), Continuous), None),
                 Step::Nothing,
                 Some("Provisioned"),
+            ),
+            (
+                "a boot Secret that names another host says nothing of this one",
+                provisioned(
+                    Live,
+                    true,
+                    {
+                        let mut r = noted(called_back(), Continuous);
+                        r.host = "h2".into();
+                        r
+                    },
+                    None,
+                ),
+                arm(true),
+                None,
             ),
             (
                 "the host's record wins over the Secret's",
