@@ -365,19 +365,19 @@ pub fn free_host_to_claim(
     }
     let free = index.get(&key);
     let skipping = free.iter().any(|h| !skip(h));
-    // The MAC is checked on the best-ranked host only, not on every free one: a host passed
-    // over for it is left out and the next best looked at (sharing is a mistake, so rare).
-    loop {
-        let best = free
-            .iter()
-            .filter(|h| takes(h, skipping, &shared))
-            .min_by_key(|h| rank(&seed, h));
-        match best {
-            Some(host) if boot_mac_sharers(index, host).is_empty() => return vec![host.clone()],
-            Some(host) => shared.push(host.name_any()),
-            None => return Vec::new(),
-        }
-    }
+    // Ranked once; the MAC is then checked in rank order until one is not shared, not on every
+    // free host (sharing is a mistake, so rare), and no rescan per host passed over.
+    let mut ranked: Vec<&Arc<MetalHost>> = free
+        .iter()
+        .filter(|h| takes(h, skipping, &shared))
+        .collect();
+    ranked.sort_by_cached_key(|h| rank(&seed, h));
+    ranked
+        .into_iter()
+        .find(|h| boot_mac_sharers(index, h).is_empty())
+        .cloned()
+        .into_iter()
+        .collect()
 }
 
 /// The claim: the MetalHost's spec names its consumer. Sent only through [`conditioned`].
