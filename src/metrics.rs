@@ -409,11 +409,22 @@ pub fn record_reconcile(controller: &str, error: Option<&str>, took: std::time::
 
 /// Passes per object (`controller/namespace/name`), kept in memory only: not a Prometheus label
 /// (one series per object would be unbounded), but what a test waits on to know "the controller
-/// looked at my object again" before a negative assertion.
-fn passes() -> &'static std::sync::Mutex<std::collections::HashMap<String, u64>> {
-    static PASSES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, u64>>> =
+/// looked at my object again" before a negative assertion. Keyed by a hash of the two names, not
+/// the names: every pass counts, and at 10,000 hosts the names were a string per pass and about
+/// 2 MB of keys for a helper only tests read (a collision can only make a test's wait end early).
+fn passes() -> &'static std::sync::Mutex<std::collections::HashMap<u64, u64>> {
+    static PASSES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<u64, u64>>> =
         std::sync::OnceLock::new();
     PASSES.get_or_init(Default::default)
+}
+
+/// The key of `controller`'s passes over `object` (SipHash with fixed keys: the same in every
+/// process, so a count read in a test matches the one the controller wrote).
+fn pass_key(controller: &str, object: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    (controller, object).hash(&mut hasher);
+    hasher.finish()
 }
 
 /// Bound on the per-object pass counts: past it, the map starts over (tests compare counts
@@ -426,7 +437,7 @@ pub fn record_pass(controller: &str, object: &str) {
         if map.len() >= PASSES_CAPACITY {
             map.clear();
         }
-        *map.entry(format!("{controller}/{object}")).or_default() += 1;
+        *map.entry(pass_key(controller, object)).or_default() += 1;
     }
 }
 
@@ -435,7 +446,7 @@ pub fn passes_of(controller: &str, object: &str) -> u64 {
     passes()
         .lock()
         .ok()
-        .and_then(|m| m.get(&format!("{controller}/{object}")).copied())
+        .and_then(|m| m.get(&pass_key(controller, object)).copied())
         .unwrap_or(0)
 }
 
@@ -510,6 +521,22 @@ mod tests {
         assert_eq!(route_of("/callback/deadbeef"), "/callback");
         assert_eq!(route_of("/artifacts/vmlinuz"), "/artifacts");
         assert_eq!(route_of("/wp-admin"), "other");
+    }
+
+    /// Each controller's passes over each object count apart: what a test waits on must move
+    /// only for its own object.
+    #[test]
+    fn passes_are_counted_per_controller_and_object() {
+        let (a, b) = ("ns-passes/a", "ns-passes/b");
+        let before = (passes_of("metalhost", a), passes_of("metalhost", b));
+        let other = passes_of("machine", a);
+        record_pass("metalhost", a);
+        record_pass("metalhost", a);
+        record_pass("metalhost", b);
+        assert_eq!(passes_of("metalhost", a), before.0 + 2);
+        assert_eq!(passes_of("metalhost", b), before.1 + 1);
+        assert_eq!(passes_of("machine", a), other);
+        assert_ne!(pass_key("metalhost", "x/y"), pass_key("metalhost/x", "y"));
     }
 
     #[test]
