@@ -21,5 +21,6 @@ pub mod leader;
 pub mod manager;
 pub mod metrics;
 pub mod pki;
+pub mod stable_hash;
 pub mod stores;
 pub mod telemetry;

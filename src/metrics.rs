@@ -421,10 +421,7 @@ fn passes() -> &'static std::sync::Mutex<std::collections::HashMap<u64, u64>> {
 /// The key of `controller`'s passes over `object` (SipHash with fixed keys: the same in every
 /// process, so a count read in a test matches the one the controller wrote).
 fn pass_key(controller: &str, object: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::hash::DefaultHasher::new();
-    (controller, object).hash(&mut hasher);
-    hasher.finish()
+    crate::stable_hash::stable_hash(&(controller, object))
 }
 
 /// Bound on the per-object pass counts: past it, the map starts over (tests compare counts

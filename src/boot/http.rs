@@ -3,7 +3,6 @@
 //! controllers; only a callback writes (it records itself on the boot Secret).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
@@ -355,9 +354,7 @@ impl SeenTokens {
 }
 
 fn token_hash(token: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    token.hash(&mut h);
-    h.finish()
+    crate::stable_hash::stable_hash(token)
 }
 
 impl BootState {

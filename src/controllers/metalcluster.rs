@@ -168,13 +168,10 @@ pub struct HostLabels {
 
 /// The view of a host [`host_label_changes`] follows (`SharedStore::subscribe_events`).
 pub fn host_labels(host: &MetalHost) -> HostLabels {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    host.metadata.labels.hash(&mut hasher);
     HostLabels {
         namespace: host.namespace().unwrap_or_default(),
         name: host.name_any(),
-        labels: hasher.finish(),
+        labels: crate::stable_hash::stable_hash(&host.metadata.labels),
     }
 }
 

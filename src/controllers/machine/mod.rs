@@ -487,10 +487,7 @@ fn in_resync_slice(
 
 /// The slice of a Machine's resync: stable for its name, so its passes stay `RESYNC` apart.
 fn resync_slice(namespace: Option<&str>, name: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::hash::DefaultHasher::new();
-    (namespace, name).hash(&mut hasher);
-    hasher.finish() % RESYNC_SLICES
+    crate::stable_hash::stable_hash(&(namespace, name)) % RESYNC_SLICES
 }
 
 fn error_policy(

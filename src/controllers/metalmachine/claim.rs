@@ -10,6 +10,7 @@ use kube::core::{Selector, SelectorExt};
 use crate::api::metalhost::{ConsumerReference, HostState};
 use crate::api::{HOST_PAUSED_ANNOTATION, MetalHost, MetalMachine};
 use crate::controllers::metalmachine::DEPROVISION_FAILED_ANNOTATION;
+use crate::stable_hash::stable_hash;
 
 /// The host whose `spec.consumerRef` names this machine (by namespace and name: UIDs change on
 /// `clusterctl move`, names do not).
@@ -252,10 +253,7 @@ impl<'a> Claimable<'a> {
 /// The order in which `mm` tries hosts: it differs per machine, so racing machines try different
 /// hosts first.
 fn rank(seed: &str, host: &MetalHost) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (seed, host.metadata.name.as_deref().unwrap_or_default()).hash(&mut hasher);
-    hasher.finish()
+    stable_hash(&(seed, host.metadata.name.as_deref().unwrap_or_default()))
 }
 
 fn seed(mm: &MetalMachine) -> String {
@@ -327,16 +325,11 @@ pub fn free_host_to_claim(
     failure_domain_label: &str,
     skip: impl Fn(&MetalHost) -> bool,
 ) -> Vec<Arc<MetalHost>> {
-    use std::hash::{Hash, Hasher};
     let Ok(claimable) = Claimable::new(mm, failure_domain, failure_domain_label) else {
         return Vec::new();
     };
     let seed = seed(mm);
-    let draw = |k: u64, len: usize| {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (seed.as_str(), k).hash(&mut hasher);
-        (hasher.finish() % len as u64) as usize
-    };
+    let draw = |k: u64, len: usize| (stable_hash(&(seed.as_str(), k)) % len as u64) as usize;
     let mut shared: Vec<String> = Vec::new();
     let takes = |h: &MetalHost, skipping: bool, shared: &[String]| {
         claimable.admits(h)
@@ -430,10 +423,7 @@ mod tests {
 
     /// A boot MAC of its own for each name (hosts that share one are never handed out).
     fn mac_of(name: &str) -> String {
-        use std::hash::{Hash, Hasher};
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        name.hash(&mut hasher);
-        let b = hasher.finish().to_be_bytes();
+        let b = crate::stable_hash::stable_hash(name).to_be_bytes();
         format!("52:54:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3])
     }
 

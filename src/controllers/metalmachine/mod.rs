@@ -35,6 +35,7 @@ use crate::api::{MetalHost, MetalMachine};
 use crate::boot::http::{CallbackNotice, Recorded};
 use crate::boot::tokens::BootRecord;
 use crate::kubeconn::gate::Priority;
+use crate::stable_hash::stable_hash;
 
 use super::conditions::{self, Want};
 use super::expectations::{Expectations, object_key};
@@ -794,10 +795,7 @@ impl FreedHosts {
         // The index lists them by name; each host starts elsewhere in that list, so the first
         // few by name are not the only ones ever woken.
         if !waiting.is_empty() {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            host.metadata.name.hash(&mut hasher);
-            let start = (hasher.finish() % waiting.len() as u64) as usize;
+            let start = (stable_hash(&host.metadata.name) % waiting.len() as u64) as usize;
             waiting.rotate_left(start);
         }
         waiting
@@ -843,15 +841,12 @@ pub fn waiting_index_keys(m: &MetalMachine) -> Vec<String> {
 
 /// What a claim matches a free host on: its labels (selector, failure domain) and hardware.
 fn claim_fingerprint(host: &MetalHost) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    host.metadata.labels.hash(&mut h);
-    host.status
+    let hardware = host
+        .status
         .as_ref()
         .and_then(|s| s.hardware.as_ref())
-        .and_then(|hw| serde_json::to_string(hw).ok())
-        .hash(&mut h);
-    h.finish()
+        .and_then(|hw| serde_json::to_string(hw).ok());
+    stable_hash(&(&host.metadata.labels, hardware))
 }
 
 /// The spec (generation and uid) of each owner Machine last seen, so only a Machine whose spec
