@@ -312,7 +312,9 @@ impl ConsumerReference {
 }
 
 /// Hardware facts reported by the BMC.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct HardwareInventory {
     /// System manufacturer.
@@ -430,7 +432,9 @@ impl std::fmt::Display for BootOnce {
 }
 
 /// CPUs of a host.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct CpuInfo {
     /// Logical CPUs.
@@ -444,7 +448,9 @@ pub struct CpuInfo {
 }
 
 /// One disk, as the deploy agent saw it.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct DiskInfo {
     /// Kernel name, e.g. `vda`.
@@ -469,7 +475,9 @@ pub struct DiskInfo {
 }
 
 /// One network interface.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct NicInfo {
     /// Interface identifier at the BMC.

@@ -841,11 +841,7 @@ pub fn waiting_index_keys(m: &MetalMachine) -> Vec<String> {
 
 /// What a claim matches a free host on: its labels (selector, failure domain) and hardware.
 fn claim_fingerprint(host: &MetalHost) -> u64 {
-    let hardware = host
-        .status
-        .as_ref()
-        .and_then(|s| s.hardware.as_ref())
-        .and_then(|hw| serde_json::to_string(hw).ok());
+    let hardware = host.status.as_ref().and_then(|s| s.hardware.as_ref());
     stable_hash(&(&host.metadata.labels, hardware))
 }
 
@@ -1184,6 +1180,17 @@ mod tests {
             "relabelled while free: may match others now"
         );
         assert!(!freed.newly_free(&host), "same labels: nothing new");
+        if let Some(status) = host.status.as_mut() {
+            status.hardware = Some(crate::api::metalhost::HardwareInventory {
+                memory_mib: Some(65_536),
+                ..Default::default()
+            });
+        }
+        assert!(
+            freed.newly_free(&host),
+            "inspected while free: may match hardware requirements now"
+        );
+        assert!(!freed.newly_free(&host), "same hardware: nothing new");
 
         let machine = machine_with_host_associated;
         let (store, mut writer) = kube::runtime::reflector::store::<MetalMachine>();
