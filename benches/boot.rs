@@ -162,7 +162,7 @@ async fn main() {
         provider_id: "metalboot://default/bench-host",
         user_data: &user_data,
     });
-    let token = tokens::parse_boot_secret(&secret)
+    let token = tokens::parse_secret(&secret)
         .expect("parse")
         .token
         .expose()

@@ -24,6 +24,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
+use crate::boot::tokens::StoredBootSecret;
+
 mod index;
 pub use index::{Index, KeysOf};
 
@@ -318,12 +320,10 @@ fn boot_secrets() -> watcher::Config {
     watcher::Config::default().labels(crate::boot::tokens::BOOT_TOKEN_LABEL)
 }
 
-/// The boot Secrets' store as the manager keeps it (no bootstrap data), for a boot service run
-/// without the manager (tests, `make bench`).
-pub fn watch_boot_secrets(
-    api: Api<k8s_openapi::api::core::v1::Secret>,
-) -> Store<k8s_openapi::api::core::v1::Secret> {
-    SharedStore::new().run_keeping(api, boot_secrets(), crate::boot::tokens::keep_in_store)
+/// The boot Secrets' store as the manager keeps it ([`StoredBootSecret`]: no bootstrap data), for
+/// a boot service run without the manager (tests, `make bench`).
+pub fn watch_boot_secrets(api: Api<StoredBootSecret>) -> Store<StoredBootSecret> {
+    SharedStore::new().run(api, boot_secrets())
 }
 
 /// Waits for `store`'s first full list: true once listed, false if its writer is gone (its
@@ -390,7 +390,7 @@ pub struct Reflectors {
     pub machines: SharedStore<kube::core::DeserializeGuard<crate::api::Machine>>,
     pub clusters: SharedStore<kube::core::DeserializeGuard<crate::api::Cluster>>,
     pub metal_clusters: SharedStore<crate::api::MetalCluster>,
-    pub boot_secrets: SharedStore<k8s_openapi::api::core::v1::Secret>,
+    pub boot_secrets: SharedStore<StoredBootSecret>,
     host_index: Index<crate::api::MetalHost>,
     metal_machine_index: Index<crate::api::MetalMachine>,
 }
@@ -450,11 +450,8 @@ impl Reflectors {
             .run_keeping(api(&client, namespace), all(), keep_machine);
         self.clusters.run(api(&client, namespace), all());
         self.metal_clusters.run(api(&client, namespace), all());
-        self.boot_secrets.run_keeping(
-            api(&client, namespace),
-            boot_secrets(),
-            crate::boot::tokens::keep_in_store,
-        );
+        self.boot_secrets
+            .run(api(&client, namespace), boot_secrets());
     }
 }
 

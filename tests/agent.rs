@@ -148,7 +148,7 @@ async fn boot_record(client: &kube::Client, ns: &str, machine: &str) -> tokens::
         .get(&tokens::boot_secret_name(machine))
         .await
         .expect("boot Secret");
-    tokens::parse_boot_secret(&secret).expect("parse")
+    tokens::parse_secret(&secret).expect("parse")
 }
 
 #[tokio::test]
@@ -541,7 +541,7 @@ async fn a_cleaning_token_only_wipes_the_disks() {
         .create(&PostParams::default(), &secret)
         .await
         .expect("cleaning Secret");
-    let record = tokens::parse_boot_secret(&created).expect("parse");
+    let record = tokens::parse_secret(&created).expect("parse");
     let token = record.token.expose().to_string();
     let (state, base) = start_boot_service(&ns, artifacts.path()).await;
     until_stores("fixture in the stores", &state, |s| {

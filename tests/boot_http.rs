@@ -247,7 +247,7 @@ async fn every_route_through_the_router() {
         .get("m1-boot")
         .await
         .expect("boot Secret");
-    let recorded = tokens::parse_boot_secret(&secret)
+    let recorded = tokens::parse_secret(&secret)
         .expect("parse")
         .callback
         .expect("callback recorded");
@@ -489,7 +489,7 @@ async fn the_chain_with_curl_over_a_socket() {
         .get("m1-boot")
         .await
         .expect("boot Secret");
-    let recorded = tokens::parse_boot_secret(&secret)
+    let recorded = tokens::parse_secret(&secret)
         .expect("parse")
         .callback
         .expect("recorded");
@@ -544,7 +544,7 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
             hosts: store,
             host_index,
             machines: frozen(machines.clone()),
-            boot_secrets: frozen(vec![attempt_1.clone()]),
+            boot_secrets: frozen(vec![attempt_1.clone().into()]),
         }
     };
     let config = || BootConfig {
@@ -601,8 +601,7 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
     let (status, body) = request(&stale, user_data_request(), Some("10.0.2.15")).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{}", text(&body));
     let attempt_2 =
-        tokens::parse_boot_secret(&secrets.get(&record.secret_name).await.expect("get"))
-            .expect("parse");
+        tokens::parse_secret(&secrets.get(&record.secret_name).await.expect("get")).expect("parse");
     assert_eq!(attempt_2.attempt, 2);
     assert!(
         attempt_2.callback.is_none(),
@@ -613,7 +612,7 @@ async fn a_callback_lands_only_on_its_own_attempt_and_only_once() {
     let current = secrets.get(&record.secret_name).await.expect("get");
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
     let stores = BootStores {
-        boot_secrets: frozen(vec![current]),
+        boot_secrets: frozen(vec![current.into()]),
         ..frozen_stores()
     };
     let state = Arc::new(BootState::new(stores, config(), client.clone(), tx).expect("state"));

@@ -197,7 +197,20 @@ fn boot_secrets_of_any_shape_parse_or_are_refused() {
                     .map(|(k, v)| (k, ByteString(v)))
                     .collect::<BTreeMap<_, _>>(),
             );
-            let _ = metalboot::boot::tokens::parse_boot_secret(&secret);
+            // The store's form keeps every annotation and every datum but the bootstrap data,
+            // whatever the keys (well-known ones are kept as static strings).
+            let stored = metalboot::boot::tokens::StoredBootSecret::from(&secret);
+            let _ = metalboot::boot::tokens::parse_boot_secret(&stored);
+            let back = stored.to_secret();
+            let non_empty = |m: Option<BTreeMap<String, String>>| m.filter(|m| !m.is_empty());
+            prop_assert_eq!(
+                non_empty(back.metadata.annotations),
+                non_empty(secret.metadata.annotations)
+            );
+            let mut data = secret.data.unwrap_or_default();
+            data.remove("user-data");
+            prop_assert_eq!(back.data.unwrap_or_default(), data);
+            prop_assert_eq!(back.metadata.labels, None);
             Ok(())
         },
     );

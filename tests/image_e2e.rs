@@ -358,7 +358,7 @@ async fn boot_record(env: &Env) -> Option<metalboot::boot::tokens::BootRecord> {
         .get_opt(&metalboot::boot::tokens::boot_secret_name("node"))
         .await
         .ok()??;
-    metalboot::boot::tokens::parse_boot_secret(&secret).ok()
+    metalboot::boot::tokens::parse_secret(&secret).ok()
 }
 
 /// Live mode, diskless: the real Debian system netboots through live-boot and real cloud-init

@@ -292,7 +292,7 @@ async fn boot_record(a: &Attempt) -> tokens::BootRecord {
         .get(&tokens::boot_secret_name(&a.machine))
         .await
         .expect("boot Secret");
-    tokens::parse_boot_secret(&secret).expect("parse")
+    tokens::parse_secret(&secret).expect("parse")
 }
 
 /// SeaBIOS: the installed OS runs the user-data once, calls back, and a reset boots the same

@@ -318,9 +318,7 @@ async fn running_cluster(mgmt: &capi::Management) -> Rack {
             .get_opt(&metalboot::boot::tokens::boot_secret_name(&mm.name_any()))
             .await
             .ok()??;
-        metalboot::boot::tokens::parse_boot_secret(&secret)
-            .ok()?
-            .reboot
+        metalboot::boot::tokens::parse_secret(&secret).ok()?.reboot
     })
     .await;
     assert_eq!(armed, Some(1), "{}", diagnostics().await);

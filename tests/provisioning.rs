@@ -761,9 +761,7 @@ async fn provision_m1(lab: &Lab, manager: &RunningManager) {
 /// Which boot after provisioning m1's boot Secret is armed for (live mode), if it is.
 async fn armed_for_reboot(lab: &Lab) -> Option<u32> {
     let secret = lab.boot_secret("m1").await?;
-    metalboot::boot::tokens::parse_boot_secret(&secret)
-        .ok()?
-        .reboot
+    metalboot::boot::tokens::parse_secret(&secret).ok()?.reboot
 }
 
 #[tokio::test]
@@ -1015,7 +1013,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         .iter()
         .rfind(|s| {
             s.name_any() == "m1-boot"
-                && tokens::parse_boot_secret(s).is_ok_and(|r| {
+                && tokens::parse_secret(s).is_ok_and(|r| {
                     r.powered_at.is_none() && r.callback.is_none() && r.reboot.is_none()
                 })
         })
@@ -1046,7 +1044,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     fill(&mut machines_w, listed(&lab).await);
     fill(&mut clusters_w, listed(&lab).await);
     fill(&mut metal_clusters_w, listed(&lab).await);
-    fill(&mut boot_secrets_w, vec![held_secret.clone()]);
+    fill(&mut boot_secrets_w, vec![held_secret.clone().into()]);
     let host_index =
         metalboot::stores::Index::new(metalboot::controllers::metalmachine::claim::host_index_keys);
     host_index.rebuild(&hosts);
@@ -1193,8 +1191,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         .expect("recorded Secrets")
         .iter()
         .find(|s| {
-            s.name_any() == "m1-boot"
-                && tokens::parse_boot_secret(s).is_ok_and(|r| r.callback.is_some())
+            s.name_any() == "m1-boot" && tokens::parse_secret(s).is_ok_and(|r| r.callback.is_some())
         })
         .cloned()
         .expect("the Secret with the callback was seen");
@@ -1207,7 +1204,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
         .last()
         .cloned()
         .expect("the Secret the callback replaced was seen");
-    fill(&mut boot_secrets_w, vec![before_callback.clone()]);
+    fill(&mut boot_secrets_w, vec![before_callback.clone().into()]);
     fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
     let notice = |replaced: Option<String>| metalboot::boot::http::CallbackNotice {
         namespace: lab.ns.name.clone(),
@@ -1290,7 +1287,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
     //    from that write's answer, not from the store's older copy, and the expectation stays
     //    until the store shows the write. An answer whose own version a 409 marked stale is not
     //    used, and the answer goes once the store shows the write.
-    fill(&mut boot_secrets_w, vec![called_back.clone()]);
+    fill(&mut boot_secrets_w, vec![called_back.clone().into()]);
     fill(&mut metal_machines_w, vec![held.as_ref().clone()]);
     let live = lab.metal_machine("m1").await.expect("m1");
     let mm_key = object_key("MetalMachine", &lab.ns.name, "m1");

@@ -25,7 +25,7 @@ use kube::runtime::events::EventType;
 
 use super::ipxe::{self, HostScript, Templates};
 use super::nocloud;
-use super::tokens::{self, BootRecord, CallbackRecord};
+use super::tokens::{self, BootRecord, CallbackRecord, StoredBootSecret};
 
 /// The stores the boot service reads (shared with the controllers).
 #[derive(Clone)]
@@ -37,8 +37,8 @@ pub struct BootStores {
     /// requests come from anyone on the provisioning network.
     pub host_index: crate::stores::Index<MetalHost>,
     pub machines: Store<MetalMachine>,
-    /// Secrets labelled `metalboot.io/boot-token`.
-    pub boot_secrets: Store<Secret>,
+    /// Secrets labelled `metalboot.io/boot-token`, as the store keeps them.
+    pub boot_secrets: Store<StoredBootSecret>,
 }
 
 impl BootStores {
@@ -138,7 +138,7 @@ pub struct CallbackNotice {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
     pub replaced: String,
-    pub written: Arc<Secret>,
+    pub written: Arc<StoredBootSecret>,
 }
 
 impl Recorded {
@@ -146,12 +146,10 @@ impl Recorded {
     /// pass reads it in place of the store's copy. Answers wait for their passes during a
     /// callback storm (thousands at once); whole, each would carry the bootstrap data (tens of
     /// KB for a control plane) and managedFields.
-    pub fn of_write(replaced: String, mut written: Secret) -> Self {
-        tokens::keep_in_store(&mut written);
-        written.metadata.managed_fields = None;
+    pub fn of_write(replaced: String, written: Secret) -> Self {
         Self {
             replaced,
-            written: Arc::new(written),
+            written: Arc::new(written.into()),
         }
     }
 }
@@ -206,9 +204,9 @@ struct TokenIndex {
 
 #[derive(Default)]
 struct TokenIndexInner {
-    by_hash: HashMap<u64, ObjectRef<Secret>>,
+    by_hash: HashMap<u64, ObjectRef<StoredBootSecret>>,
     /// resourceVersion indexed per Secret, and the hash it gave.
-    versions: HashMap<ObjectRef<Secret>, (String, u64)>,
+    versions: HashMap<ObjectRef<StoredBootSecret>, (String, u64)>,
     refreshed: Option<std::time::Instant>,
 }
 
@@ -218,7 +216,7 @@ const TOKEN_REINDEX: std::time::Duration = std::time::Duration::from_millis(500)
 const TOKEN_INDEX_SLACK: usize = 64;
 
 impl TokenIndex {
-    fn find(&self, hash: u64, store: &Store<Secret>) -> Option<BootRecord> {
+    fn find(&self, hash: u64, store: &Store<StoredBootSecret>) -> Option<BootRecord> {
         let key = self.inner.lock().ok()?.by_hash.get(&hash).cloned()?;
         let secret = store.get(&key)?;
         self.parsed
@@ -230,7 +228,12 @@ impl TokenIndex {
     /// Tokens found at once never trigger a re-index, so Secrets deleted since (every released
     /// machine's) are dropped here once the index holds more than twice the store plus
     /// [`TOKEN_INDEX_SLACK`]: at most that many entries, at an amortized constant cost per note.
-    fn note(&self, secret: &Secret, record: &BootRecord, store: &Store<Secret>) {
+    fn note(
+        &self,
+        secret: &StoredBootSecret,
+        record: &BootRecord,
+        store: &Store<StoredBootSecret>,
+    ) {
         if let Ok(mut inner) = self.inner.lock() {
             inner.insert(secret, record);
             if inner.versions.len() > 2 * store.len() + TOKEN_INDEX_SLACK {
@@ -239,7 +242,7 @@ impl TokenIndex {
         }
     }
 
-    fn refresh(&self, store: &Store<Secret>) {
+    fn refresh(&self, store: &Store<StoredBootSecret>) {
         let Ok(mut inner) = self.inner.lock() else {
             return;
         };
@@ -268,7 +271,7 @@ impl TokenIndex {
 
 /// A Secret's place in the store, for the token index: `ObjectRef::from_obj` would also copy in
 /// its resourceVersion and uid, two more strings per boot Secret held, which lookups ignore.
-fn place_of(secret: &Secret) -> ObjectRef<Secret> {
+fn place_of(secret: &StoredBootSecret) -> ObjectRef<StoredBootSecret> {
     let meta = &secret.metadata;
     let reference = ObjectRef::new(meta.name.as_deref().unwrap_or_default());
     match meta.namespace.as_deref() {
@@ -279,7 +282,7 @@ fn place_of(secret: &Secret) -> ObjectRef<Secret> {
 
 impl TokenIndexInner {
     /// Forgets the tokens of Secrets the store no longer holds.
-    fn retain_live(&mut self, store: &Store<Secret>) {
+    fn retain_live(&mut self, store: &Store<StoredBootSecret>) {
         let Self {
             by_hash, versions, ..
         } = self;
@@ -293,7 +296,7 @@ impl TokenIndexInner {
     }
 
     /// Indexes `record`'s token under its Secret, replacing that Secret's previous token.
-    fn insert(&mut self, secret: &Secret, record: &BootRecord) {
+    fn insert(&mut self, secret: &StoredBootSecret, record: &BootRecord) {
         let key = place_of(secret);
         let hash = token_hash(record.token.expose());
         let version = secret.resource_version().unwrap_or_default();
@@ -935,11 +938,11 @@ pub fn redact_path(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        EventLimiter, Recorded, Secret, TOKEN_INDEX_SLACK, TokenIndex, redact_path, token_hash,
-        tokens,
+        EventLimiter, Recorded, Secret, StoredBootSecret, TOKEN_INDEX_SLACK, TokenIndex,
+        redact_path, token_hash, tokens,
     };
 
-    /// A boot Secret as the store would hold it after its create.
+    /// A boot Secret as the apiserver would answer its create.
     fn boot_secret(machine: &str, version: u32) -> Secret {
         let mut secret = tokens::new_boot_secret(&tokens::NewAttempt {
             namespace: "ns",
@@ -961,10 +964,10 @@ mod tests {
     #[test]
     fn the_token_index_forgets_released_machines_without_unknown_tokens() {
         use kube::runtime::watcher::Event;
-        let (store, mut writer) = kube::runtime::reflector::store::<Secret>();
+        let (store, mut writer) = kube::runtime::reflector::store::<StoredBootSecret>();
         let index = TokenIndex::default();
-        let live: Vec<Secret> = (0..10)
-            .map(|i| boot_secret(&format!("kept-{i}"), i))
+        let live: Vec<StoredBootSecret> = (0..10)
+            .map(|i| boot_secret(&format!("kept-{i}"), i).into())
             .collect();
         for secret in &live {
             writer.apply_watcher_event(&Event::Apply(secret.clone()));
@@ -974,7 +977,7 @@ mod tests {
         // A thousand machines provisioned and released, every token found at once: no lookup
         // ever misses, so no re-index runs.
         for i in 0..1_000 {
-            let secret = boot_secret(&format!("churn-{i}"), 100 + i);
+            let secret = StoredBootSecret::from(boot_secret(&format!("churn-{i}"), 100 + i));
             writer.apply_watcher_event(&Event::Apply(secret.clone()));
             let record = tokens::parse_boot_secret(&secret).unwrap();
             index.note(&secret, &record, &store);
@@ -1006,18 +1009,19 @@ mod tests {
     fn a_recorded_write_keeps_what_the_store_keeps() {
         let mut answer = boot_secret("m1", 7);
         answer.metadata.managed_fields = Some(vec![Default::default()]);
-        let record = tokens::parse_boot_secret(&answer).unwrap();
+        let record = tokens::parse_boot_secret(&(&answer).into()).unwrap();
         let recorded = Recorded::of_write("6".into(), answer.clone());
         assert_eq!(
-            tokens::user_data(&recorded.written),
+            tokens::user_data(&recorded.written.to_secret()),
             None,
             "no bootstrap data"
         );
         assert_eq!(recorded.written.metadata.managed_fields, None);
-        let mut stored = answer;
-        tokens::keep_in_store(&mut stored);
-        stored.metadata.managed_fields = None;
-        assert_eq!(*recorded.written, stored, "the store's form");
+        assert_eq!(
+            *recorded.written,
+            StoredBootSecret::from(answer),
+            "the store's form"
+        );
         let kept = tokens::parse_boot_secret(&recorded.written).unwrap();
         assert!(kept.token.matches(record.token.expose()), "the token stays");
         assert_eq!(recorded.replaced, "6");
@@ -1285,7 +1289,7 @@ async fn authorize(
 const USER_DATA_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The bootstrap data of the attempt `record` authorized, read from the apiserver: the store
-/// keeps none (`tokens::keep_in_store`). Only a request whose token was found current gets here,
+/// keeps none (`tokens::StoredBootSecret`). Only a request whose token was found current gets here,
 /// and its repeats join the read on its way or, within [`USER_DATA_MEMO_TTL`] of its answer, are
 /// answered from the memo: one read per token per TTL, never one per unauthenticated request.
 /// The read skips the manager's queue of apiserver requests, as a callback's write does: a host
@@ -1309,15 +1313,14 @@ async fn read_user_data(state: &BootState, record: &BootRecord) -> Result<Bytes,
                 ));
             }
         };
-        let same_attempt = tokens::parse_boot_secret(&secret)
+        let user_data = Bytes::from(tokens::user_data(&secret).unwrap_or_default().to_vec());
+        let same_attempt = tokens::parse_boot_secret(&secret.into())
             .is_ok_and(|current| current.token.matches(record.token.expose()));
         if !same_attempt {
             tracing::warn!(route = "/nocloud", machine = %record.metal_machine, "user-data of an attempt replaced since its token was looked up");
             return Err(UserDataMiss::Expired);
         }
-        Ok(Bytes::from(
-            tokens::user_data(&secret).unwrap_or_default().to_vec(),
-        ))
+        Ok(user_data)
     };
     // Requests with one token while its read is on its way join that read.
     state.user_data.try_get_with(token, read).await.map_err(|miss| match &*miss {
@@ -1459,7 +1462,7 @@ async fn record_on_attempt(
         }
         let fresh = match secrets.get_opt(&record.secret_name).await {
             Ok(Some(secret)) => {
-                tokens::parse_boot_secret(&secret).map_err(|_| CallbackWrite::Superseded)?
+                tokens::parse_boot_secret(&secret.into()).map_err(|_| CallbackWrite::Superseded)?
             }
             Ok(None) => return Err(CallbackWrite::Superseded),
             Err(e) => return Err(CallbackWrite::Failed(e.to_string())),

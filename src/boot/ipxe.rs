@@ -296,7 +296,7 @@ mod tests {
     use super::*;
     use crate::api::metalhost::{BmcDetails, ConsumerReference, MetalHostSpec, MetalHostStatus};
     use crate::api::metalmachine::{BootProfile, MetalMachineSpec};
-    use crate::boot::tokens::{NewAttempt, new_boot_secret, parse_boot_secret};
+    use crate::boot::tokens::{NewAttempt, StoredBootSecret, new_boot_secret, parse_boot_secret};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     const BASE: &str = "http://10.0.2.2:8080";
@@ -342,7 +342,7 @@ mod tests {
     }
 
     fn record(machine: &str, host: &str) -> BootRecord {
-        parse_boot_secret(&new_boot_secret(&NewAttempt {
+        parse_boot_secret(&StoredBootSecret::from(new_boot_secret(&NewAttempt {
             namespace: "ns",
             metal_machine: machine,
             owner: OwnerReference {
@@ -357,7 +357,7 @@ mod tests {
             attempt: 1,
             provider_id: "metalboot://ns/host-0",
             user_data: b"#!/bin/sh",
-        }))
+        })))
         .expect("record")
     }
 

@@ -45,6 +45,27 @@ const ANN_BOOT_ONCE: &str = "metalboot.io/boot-once";
 /// Present on a live-mode machine's Secret once it is provisioned: the token is armed for the
 /// n-th network boot after provisioning (a reboot), and rotated after each such boot called back.
 const ANN_BOOT: &str = "metalboot.io/boot";
+/// Every key above, which the store keeps as static strings (see [`StoredBootSecret`]).
+const KNOWN_KEYS: [&str; 15] = [
+    KEY_TOKEN,
+    KEY_USER_DATA,
+    KEY_CALLBACK,
+    KEY_INSPECTION,
+    KEY_DEPLOY,
+    ANN_HOST,
+    ANN_PROVIDER_ID,
+    ANN_INSTANCE_ID,
+    ANN_ATTEMPT,
+    ANN_MACHINE,
+    ANN_POWERED_AT,
+    ANN_DISK_BOOT_AT,
+    ANN_CLEAN,
+    ANN_BOOT_ONCE,
+    ANN_BOOT,
+];
+
+mod stored;
+pub use stored::StoredBootSecret;
 
 /// The host a boot Secret's attempt runs on, from its metadata alone (watches of metadata).
 pub fn boot_secret_host(
@@ -310,21 +331,6 @@ pub fn powered_patch(
     serde_json::json!({"metadata": {"annotations": annotations}})
 }
 
-/// What the boot Secrets' store keeps: everything but the bootstrap data, which is read from the
-/// apiserver when a host asks for it (`user_data`), once per boot. At N hosts the store would
-/// otherwise hold N copies of bootstrap data (5.9 KB each in the scale bench, tens of KB for a
-/// kubeadm control plane) that nothing but that one request reads.
-///
-/// Nor the labels: the watch selects boot Secrets by label, so every one has it, and no reader
-/// of the store looks at them (renewals patch only annotations and data; a cleaning attempt's
-/// replace writes a Secret built anew). Their map costs a B-tree node (about 540 bytes) per host.
-pub fn keep_in_store(secret: &mut Secret) {
-    if let Some(data) = secret.data.as_mut() {
-        data.remove(KEY_USER_DATA);
-    }
-    secret.metadata.labels = None;
-}
-
 /// The bootstrap data snapshot of a boot Secret read from the apiserver (the store has none);
 /// None for a cleaning attempt, which has none.
 pub fn user_data(secret: &Secret) -> Option<&[u8]> {
@@ -442,39 +448,42 @@ pub fn next_boot(secret: &Secret) -> Secret {
     next
 }
 
+/// [`parse_boot_secret`] of a whole Secret, as read from the apiserver.
+pub fn parse_secret(secret: &Secret) -> Result<BootRecord, BootSecretError> {
+    parse_boot_secret(&secret.into())
+}
+
 /// Reads a boot Secret. Anything malformed is an error, never a panic: Secrets can be edited.
-pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError> {
+pub fn parse_boot_secret(secret: &StoredBootSecret) -> Result<BootRecord, BootSecretError> {
     let name = secret.metadata.name.clone().unwrap_or_default();
-    let ann = secret.metadata.annotations.clone().unwrap_or_default();
+    let ann = |key: &'static str| secret.annotation(key);
     let annotation = |key: &'static str| {
-        ann.get(key)
+        ann(key)
             .filter(|v| !v.is_empty())
-            .cloned()
+            .map(str::to_string)
             .ok_or_else(|| BootSecretError::Missing(name.clone(), key))
     };
-    let empty = BTreeMap::new();
-    let data = secret.data.as_ref().unwrap_or(&empty);
-    let token = data
-        .get(KEY_TOKEN)
+    let datum = |key: &'static str| secret.datum(key);
+    let token = datum(KEY_TOKEN)
         .ok_or_else(|| BootSecretError::Missing(name.clone(), KEY_TOKEN))
         .and_then(|b| {
-            String::from_utf8(b.0.clone())
+            String::from_utf8(b.to_vec())
                 .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_TOKEN))
         })?;
     if token.len() < 32 {
         return Err(BootSecretError::Invalid(name, KEY_TOKEN));
     }
-    let callback = match data.get(KEY_CALLBACK) {
+    let callback = match datum(KEY_CALLBACK) {
         Some(bytes) => Some(
-            serde_json::from_slice::<CallbackRecord>(&bytes.0)
+            serde_json::from_slice::<CallbackRecord>(bytes)
                 .map_err(|_| BootSecretError::Invalid(name.clone(), KEY_CALLBACK))?,
         ),
         None => None,
     };
     let json = |key: &'static str| -> Result<Option<serde_json::Value>, BootSecretError> {
-        data.get(key)
+        datum(key)
             .map(|bytes| {
-                serde_json::from_slice(&bytes.0)
+                serde_json::from_slice(bytes)
                     .map_err(|_| BootSecretError::Invalid(name.clone(), key))
             })
             .transpose()
@@ -500,15 +509,15 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
         instance_id: annotation(ANN_INSTANCE_ID)?,
         token: Token(token),
         callback,
-        powered_at: ann.get(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
-        disk_boot_at: ann.get(ANN_DISK_BOOT_AT).and_then(|t| t.parse().ok()),
-        clean: match ann.get(ANN_CLEAN).map(String::as_str) {
+        powered_at: ann(ANN_POWERED_AT).and_then(|t| t.parse().ok()),
+        disk_boot_at: ann(ANN_DISK_BOOT_AT).and_then(|t| t.parse().ok()),
+        clean: match ann(ANN_CLEAN) {
             None => None,
             Some("full") => Some(crate::agent::wipe::WipeMode::Full),
             Some("metadata") => Some(crate::agent::wipe::WipeMode::Metadata),
             Some(_) => return Err(BootSecretError::Invalid(name, ANN_CLEAN)),
         },
-        reboot: match ann.get(ANN_BOOT) {
+        reboot: match ann(ANN_BOOT) {
             None => None,
             Some(n) => Some(
                 n.parse()
@@ -516,7 +525,7 @@ pub fn parse_boot_secret(secret: &Secret) -> Result<BootRecord, BootSecretError>
             ),
         },
         // A fact about the BMC, not the attempt: an edited value is ignored, never an error.
-        boot_once: match ann.get(ANN_BOOT_ONCE).map(String::as_str) {
+        boot_once: match ann(ANN_BOOT_ONCE) {
             Some("Honoured") => Some(crate::api::metalhost::BootOnce::Honoured),
             Some("Continuous") => Some(crate::api::metalhost::BootOnce::Continuous),
             _ => None,
@@ -556,7 +565,7 @@ mod tests {
 
     #[test]
     fn a_new_boot_secret_parses_back() {
-        let record = parse_boot_secret(&attempt()).expect("parse");
+        let record = parse_secret(&attempt()).expect("parse");
         assert_eq!(record.metal_machine, "m1");
         assert_eq!(record.host, "h1");
         assert_eq!(record.attempt, 2);
@@ -584,7 +593,7 @@ mod tests {
             {
                 annotations.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
             }
-            parse_boot_secret(&secret).expect("parse")
+            parse_secret(&secret).expect("parse")
         };
         let t = jiff::Timestamp::UNIX_EPOCH;
         for once in [BootOnce::Honoured, BootOnce::Continuous] {
@@ -612,10 +621,10 @@ mod tests {
                 ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
             )
         });
-        let before = parse_boot_secret(&first).expect("parse");
+        let before = parse_secret(&first).expect("parse");
         assert!(before.powered_at.is_some() && before.callback.is_some());
         let next = next_attempt(&first);
-        let after = parse_boot_secret(&next).expect("parse");
+        let after = parse_secret(&next).expect("parse");
         assert_eq!(after.attempt, 3);
         assert_ne!(after.token, before.token);
         assert!(after.powered_at.is_none() && after.callback.is_none());
@@ -632,10 +641,10 @@ mod tests {
                 ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
             )
         });
-        let before = parse_boot_secret(&provisioned).expect("parse");
+        let before = parse_secret(&provisioned).expect("parse");
         assert_eq!(before.reboot, None);
         let first = next_boot(&provisioned);
-        let armed = parse_boot_secret(&first).expect("parse");
+        let armed = parse_secret(&first).expect("parse");
         assert_eq!(armed.reboot, Some(1));
         assert_ne!(armed.token, before.token);
         assert!(armed.callback.is_none() && armed.powered_at.is_none());
@@ -643,7 +652,7 @@ mod tests {
             (armed.attempt, &armed.instance_id, user_data(&first)),
             (before.attempt, &before.instance_id, user_data(&provisioned))
         );
-        let second = parse_boot_secret(&next_boot(&first)).expect("parse");
+        let second = parse_secret(&next_boot(&first)).expect("parse");
         assert_eq!(second.reboot, Some(2));
         assert_ne!(second.token, armed.token);
 
@@ -654,7 +663,7 @@ mod tests {
             .as_mut()
             .map(|a| a.insert(ANN_BOOT.into(), "-1".into()));
         assert_eq!(
-            parse_boot_secret(&garbled),
+            parse_secret(&garbled),
             Err(BootSecretError::Invalid("m1-boot".into(), ANN_BOOT))
         );
     }
@@ -693,19 +702,25 @@ mod tests {
                 ByteString(br#"{"receivedAt":"x"}"#.to_vec()),
             )
         });
-        let mut in_store = on_server.clone();
-        keep_in_store(&mut in_store);
+        let stored = StoredBootSecret::from(&on_server);
         assert_eq!(
-            user_data(&in_store),
+            stored.datum(KEY_USER_DATA),
             None,
             "the store drops the bootstrap data"
         );
-        assert_eq!(in_store.metadata.labels, None, "and the labels");
+        assert_eq!(stored.metadata.labels, None, "and the labels");
         assert_eq!(
-            parse_boot_secret(&in_store).map(|r| r.token),
-            parse_boot_secret(&on_server).map(|r| r.token),
-            "the store's copy still authorizes"
+            stored.annotation(ANN_POWERED_AT),
+            Some("2026-01-01T00:00:00Z"),
+            "and keeps the annotations"
         );
+        assert_eq!(
+            parse_boot_secret(&stored),
+            parse_secret(&on_server),
+            "the store's copy reads as the whole Secret does"
+        );
+        let in_store = stored.to_secret();
+        assert_eq!(user_data(&in_store), None);
         for renew in [next_attempt, next_boot] {
             let next = renew(&in_store);
             let patch = renewal_patch(&in_store, &next);
@@ -718,13 +733,7 @@ mod tests {
             expected.data.as_mut().map(|d| {
                 d.insert(
                     KEY_TOKEN.into(),
-                    ByteString(
-                        parse_boot_secret(&next)
-                            .expect("parse")
-                            .token
-                            .expose()
-                            .into(),
-                    ),
+                    ByteString(parse_secret(&next).expect("parse").token.expose().into()),
                 )
             });
             expected.metadata.resource_version = Some("7".into());
@@ -749,7 +758,7 @@ mod tests {
         let mut no_token = attempt();
         no_token.data.as_mut().map(|d| d.remove(KEY_TOKEN));
         assert!(matches!(
-            parse_boot_secret(&no_token),
+            parse_secret(&no_token),
             Err(BootSecretError::Missing(_, "token"))
         ));
 
@@ -758,7 +767,7 @@ mod tests {
             .data
             .as_mut()
             .map(|d| d.insert(KEY_TOKEN.into(), ByteString(b"abc".to_vec())));
-        assert!(parse_boot_secret(&short).is_err());
+        assert!(parse_secret(&short).is_err());
 
         let mut bad_attempt = attempt();
         bad_attempt
@@ -766,15 +775,15 @@ mod tests {
             .annotations
             .as_mut()
             .map(|a| a.insert(ANN_ATTEMPT.into(), "two".into()));
-        assert!(parse_boot_secret(&bad_attempt).is_err());
+        assert!(parse_secret(&bad_attempt).is_err());
 
         let mut bad_callback = attempt();
         bad_callback
             .data
             .as_mut()
             .map(|d| d.insert(KEY_CALLBACK.into(), ByteString(b"{not json".to_vec())));
-        assert!(parse_boot_secret(&bad_callback).is_err());
+        assert!(parse_secret(&bad_callback).is_err());
 
-        assert!(parse_boot_secret(&Secret::default()).is_err());
+        assert!(parse_secret(&Secret::default()).is_err());
     }
 }

@@ -194,7 +194,10 @@ pub struct AttemptFacts {
 
 /// The [`AttemptFacts`] of this host. One store lookup: the boot Secret is named after the
 /// consumer.
-pub fn attempt_facts(host: &MetalHost, boot_secrets: &Store<Secret>) -> AttemptFacts {
+pub fn attempt_facts(
+    host: &MetalHost,
+    boot_secrets: &Store<crate::boot::tokens::StoredBootSecret>,
+) -> AttemptFacts {
     let record = host.spec.consumer_ref.as_ref().and_then(|consumer| {
         let secret = boot_secrets.get(
             &ObjectRef::new(&crate::boot::tokens::boot_secret_name(&consumer.name))

@@ -26,7 +26,6 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use k8s_openapi::api::core::v1::Secret;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
 
@@ -40,8 +39,8 @@ pub struct SharedStores {
     pub machines: Store<DeserializeGuard<Machine>>,
     pub clusters: Store<DeserializeGuard<Cluster>>,
     pub metal_clusters: Store<MetalCluster>,
-    /// Secrets labelled `metalboot.io/boot-token`.
-    pub boot_secrets: Store<Secret>,
+    /// Secrets labelled `metalboot.io/boot-token`, as the store keeps them.
+    pub boot_secrets: Store<crate::boot::tokens::StoredBootSecret>,
     /// Hosts by consumer and free hosts by namespace (`metalmachine::claim::host_index_keys`).
     pub host_index: crate::stores::Index<MetalHost>,
     /// MetalMachines waiting for a free host (`metalmachine::waiting_index_keys`).
@@ -70,7 +69,7 @@ pub struct Subscriptions {
     pub metal_machines: crate::stores::Changes<MetalMachine>,
     pub machines: crate::stores::Changes<DeserializeGuard<Machine>>,
     pub clusters: crate::stores::Changes<DeserializeGuard<Cluster>>,
-    pub boot_secrets: crate::stores::Changes<Secret>,
+    pub boot_secrets: crate::stores::Changes<crate::boot::tokens::StoredBootSecret>,
 }
 
 impl Subscriptions {

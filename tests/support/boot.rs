@@ -127,7 +127,7 @@ pub async fn create_boot_secret(
         .create(&PostParams::default(), &secret)
         .await
         .expect("create boot Secret");
-    tokens::parse_boot_secret(&created).expect("parse boot Secret")
+    tokens::parse_secret(&created).expect("parse boot Secret")
 }
 
 /// Stores over the namespace and a boot service state reading them.

@@ -443,7 +443,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             Ok(Acted::default())
         }
         Step::NextAttempt => {
-            let Some(secret) = o.boot_secret.clone() else {
+            let Some(secret) = o.boot_secret.as_ref().map(|s| s.to_secret()) else {
                 return Err(ActError::Conflict("boot Secret gone".into()));
             };
             // Conditioned on the resourceVersion: the old token dies with the old version.
@@ -524,7 +524,7 @@ pub async fn act(ctx: &MachineContext, o: &Observed, step: &Step) -> Result<Acte
             if *netboot {
                 next_boot_best_effort(ctx, o, mm, host, BootDevice::Pxe).await?;
             }
-            let current = o.boot_secret.clone();
+            let current = o.boot_secret.as_ref().map(|s| s.to_secret());
             // Conditioned on the resourceVersion: the last boot's token dies with it.
             if let Some(secret) = &current {
                 let patch = tokens::renewal_patch(secret, &tokens::next_boot(secret));

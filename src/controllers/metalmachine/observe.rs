@@ -62,7 +62,7 @@ pub struct Observed {
     /// boot-service write. Steps write it under this copy's resourceVersion, not the store's:
     /// a store still behind the decision turned the write into a 409, after the BMC call made
     /// before it, which the next pass then made again.
-    pub boot_secret: Option<Arc<Secret>>,
+    pub boot_secret: Option<Arc<tokens::StoredBootSecret>>,
     /// Deletion only: the claimed host's power state, read from its BMC.
     pub power: Option<Result<PowerState, Fault>>,
     /// Deletion only: the power-off request already sent, and how long ago.
