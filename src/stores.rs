@@ -213,13 +213,32 @@ where
 
 /// Drops `managedFields` before objects are stored: nothing here reads them, and at thousands of
 /// objects they are most of the manager's memory. Every watch that fills a store goes through it.
+/// So does `kubectl apply`'s copy of what it last applied ([`forget_last_applied`]).
 pub fn lean<K: Resource + Send + 'static>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
 ) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send {
     use kube::runtime::WatchStreamExt;
     events.modify(|o| {
-        o.meta_mut().managed_fields = None;
+        let meta = o.meta_mut();
+        meta.managed_fields = None;
+        forget_last_applied(meta);
     })
+}
+
+/// The annotation `kubectl apply` (client-side) keeps its last applied manifest in.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops `kubectl apply`'s copy of the whole manifest it last applied: the usual way an operator
+/// declares MetalHosts and their Machines, and a second copy of each object's spec in every
+/// store, which no reader looks at (kubectl reads it from the server). An annotation map left
+/// empty goes too: each map is at least one 640-byte B-tree node.
+pub fn forget_last_applied(meta: &mut kube::api::ObjectMeta) {
+    if let Some(annotations) = meta.annotations.as_mut()
+        && annotations.remove(LAST_APPLIED).is_some()
+        && annotations.is_empty()
+    {
+        meta.annotations = None;
+    }
 }
 
 /// `kube::runtime::reflector`, except that the store holds `keep(object)`: a few of each
@@ -507,6 +526,31 @@ mod tests {
         assert!(other.next().await.is_some(), "every subscriber gets them");
         assert!(store.get(&ObjectRef::new("b").within("ns")).is_none());
         assert!(store.get(&ObjectRef::new("c").within("ns")).is_some());
+    }
+
+    /// `kubectl apply`'s manifest copy is not stored; every other annotation is, and a map
+    /// that held only that copy is gone, not kept empty.
+    #[test]
+    fn the_last_applied_manifest_is_not_stored() {
+        let with = |pairs: &[(&str, &str)]| kube::api::ObjectMeta {
+            annotations: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let manifest = r#"{"apiVersion":"v1","kind":"ConfigMap"}"#;
+        let mut only = with(&[(LAST_APPLIED, manifest)]);
+        forget_last_applied(&mut only);
+        assert_eq!(only.annotations, None);
+        let mut both = with(&[(LAST_APPLIED, manifest), ("team", "metal")]);
+        forget_last_applied(&mut both);
+        assert_eq!(both, with(&[("team", "metal")]));
+        let mut other = with(&[("team", "metal")]);
+        forget_last_applied(&mut other);
+        assert_eq!(other, with(&[("team", "metal")]));
     }
 
     /// A watch that expired is listed again, as it should be: not a warning (the one warning of a
