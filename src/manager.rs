@@ -353,6 +353,14 @@ pub async fn start(
                 metal_machines: Some(stores.metal_machines.clone()),
                 cloud_init_configs: cloud_init_configs.as_ref().map(|c| c.store.clone()),
             });
+            // What the Machine controller expected of an object goes once the object does.
+            forget_expected_on_deletion(&reflectors.machines, &machine_ctx, |c| &c.expectations);
+            forget_expected_on_deletion(&reflectors.metal_machines, &machine_ctx, |c| {
+                &c.expectations
+            });
+            if let Some(configs) = &cloud_init_configs {
+                forget_expected_on_deletion(configs, &machine_ctx, |c| &c.expectations);
+            }
             let controller = machine::controller(
                 reflectors.machines.subscribe(),
                 stores.machines.clone(),
@@ -425,7 +433,6 @@ pub async fn start(
     if let Some(configs) = cloud_init_configs {
         let (controller, secrets) =
             cloudinitconfig::controller(client.clone(), namespace, &configs);
-        cloudinitconfig::watch_configs(configs, client.clone(), namespace);
         let config_ctx = Arc::new(cloudinitconfig::ConfigContext {
             client: client.clone(),
             events: Events::new(client.clone(), "metalboot-cloudinitconfig"),
@@ -436,6 +443,8 @@ pub async fn start(
             expectations: Default::default(),
             content_from: cloudinitconfig::content_from_reads(),
         });
+        forget_expected_on_deletion(&configs, &config_ctx, |c| &c.expectations);
+        cloudinitconfig::watch_configs(configs, client.clone(), namespace);
         running
             .tasks
             .push(tokio::spawn(cloudinitconfig::run(controller, config_ctx)));
@@ -557,6 +566,8 @@ async fn start_infrastructure(
         expectations: Default::default(),
     });
 
+    forget_expected_on_deletion(&reflectors.hosts, &host_ctx, |c| &c.expectations);
+
     let (callback_tx, callback_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
     let machine_ctx = Arc::new(metalmachine::MachineContext {
         client: client.clone(),
@@ -578,6 +589,11 @@ async fn start_infrastructure(
         lane: Default::default(),
         claims_in_flight: Default::default(),
     });
+    forget_expected_on_deletion(&reflectors.metal_machines, &machine_ctx, |c| {
+        &c.expectations
+    });
+    forget_expected_on_deletion(&reflectors.boot_secrets, &machine_ctx, |c| &c.expectations);
+    forget_expected_on_deletion(&reflectors.hosts, &machine_ctx, |c| &c.expectations);
     let lane_ctx = machine_ctx.clone();
     // Notices the callback lane took reach the controller only when the lane gives them back.
     let (handoff_tx, handoff_rx) = tokio::sync::mpsc::unbounded_channel::<CallbackNotice>();
@@ -729,4 +745,21 @@ async fn start_infrastructure(
         control_plane_ctx,
     )));
     Ok((app, files))
+}
+
+/// Forgets the expectations (of the controller whose context is `ctx`) that a deletion from
+/// `shared` meets, as each deletion reaches the store ([`crate::controllers::expectations::Expectations::gone`]).
+fn forget_expected_on_deletion<K, C, A>(
+    shared: &crate::stores::SharedStore<K>,
+    ctx: &Arc<C>,
+    expectations: fn(&C) -> &crate::controllers::expectations::Expectations<A>,
+) where
+    K: crate::stores::Watched,
+    C: Send + Sync + 'static,
+    A: 'static,
+{
+    let ctx = ctx.clone();
+    crate::controllers::expectations::follow_deletions(shared, move |key| {
+        expectations(&ctx).gone(key)
+    });
 }

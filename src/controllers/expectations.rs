@@ -481,6 +481,21 @@ impl<A> Expectations<A> {
         }
     }
 
+    /// The store no longer holds `key`. An expectation its absence meets (our delete, or
+    /// writes before someone else's delete) is forgotten now: no pass looks at a deleted
+    /// object's key again, so before this it stayed until the sweep [`FORGET_AFTER`] later,
+    /// about four per released Machine, in memory all through a fleet's release. One its absence
+    /// does not meet (our create, not shown yet) stays, as [`Expectations::check`] would keep it.
+    pub fn gone(&self, key: &str) {
+        if let Ok(mut pending) = self.pending.lock()
+            && pending
+                .get(key)
+                .is_some_and(|entry| state_of(entry, None) == Seen::Met)
+        {
+            pending.remove(key);
+        }
+    }
+
     /// Drops everything about `key` (the object is gone for good).
     pub fn forget(&self, key: &str) {
         if let Ok(mut pending) = self.pending.lock() {
@@ -565,6 +580,29 @@ where
 /// The key of an object for expectations and logs.
 pub fn object_key(kind: &str, namespace: &str, name: &str) -> String {
     format!("{kind}/{namespace}/{name}")
+}
+
+/// Hands `gone` the key ([`object_key`]) of each object `shared`'s watch deletes, once the store
+/// no longer holds it: for [`Expectations::gone`]. Subscribe before the store runs. An object
+/// deleted while the watch was down (seen only as missing from the next list) is not reported;
+/// the sweep [`FORGET_AFTER`] later still drops its entries.
+pub fn follow_deletions<K: crate::stores::Watched>(
+    shared: &crate::stores::SharedStore<K>,
+    gone: impl Fn(&str) + Send + 'static,
+) {
+    use futures::StreamExt;
+    use kube::ResourceExt;
+    let kind = K::kind(&()).into_owned();
+    let mut events = shared.subscribe_events(move |obj: &K| {
+        object_key(&kind, &obj.namespace().unwrap_or_default(), &obj.name_any())
+    });
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            if let kube::runtime::watcher::Event::Delete(key) = event {
+                gone(&key);
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -826,6 +864,98 @@ mod tests {
         assert_eq!(ahead(&e, "S/ns/b", "20"), None);
         wrote_answered(&e, "S/ns/b", "21", "22");
         assert_eq!(ahead(&e, "S/ns/b", "20"), Some("22".into()));
+    }
+
+    /// A deleted object's expectations go when its store drops it, not a sweep later; a
+    /// create the store has not shown yet stays, whatever the order of the two.
+    #[test]
+    fn a_deletion_forgets_what_its_absence_meets_and_keeps_an_unseen_create() {
+        let e = Expectations::<()>::default();
+        // Our delete, and writes before another controller's delete.
+        e.wrote("S/ns/deleted".into(), Some("10".into()), None);
+        e.wrote("S/ns/theirs".into(), Some("20".into()), Some("21".into()));
+        // Our create, not in the store yet: its absence is the stale view.
+        e.wrote("S/ns/created".into(), None, Some("30".into()));
+        for key in ["S/ns/deleted", "S/ns/theirs", "S/ns/created", "S/ns/never"] {
+            e.gone(key);
+        }
+        assert_eq!(e.len(), 1);
+        assert_eq!(e.check("S/ns/created", None), Seen::Waiting);
+        assert_eq!(e.check("S/ns/created", Some("30")), Seen::Met);
+    }
+
+    /// A boot Secret deleted and created again under the same name (the next attempt): the
+    /// old one's deletion, reported after the new one's create was recorded, must not end the
+    /// wait for the new one, or a pass would decide from a store without it.
+    #[test]
+    fn a_late_deletion_of_a_namesake_keeps_the_wait_for_its_successor() {
+        let e = Expectations::<()>::default();
+        e.wrote("Secret/ns/boot".into(), Some("10".into()), None);
+        e.wrote("Secret/ns/boot".into(), None, Some("12".into()));
+        e.gone("Secret/ns/boot");
+        assert_eq!(e.check("Secret/ns/boot", None), Seen::Waiting);
+        assert_eq!(e.check("Secret/ns/boot", Some("10")), Seen::Waiting);
+        assert_eq!(e.check("Secret/ns/boot", Some("12")), Seen::Met);
+        // In the other order the deletion forgets the old entry, and the create starts anew.
+        e.wrote("Secret/ns/boot".into(), Some("12".into()), None);
+        e.gone("Secret/ns/boot");
+        assert!(e.is_empty());
+        e.wrote("Secret/ns/boot".into(), None, Some("14".into()));
+        assert_eq!(e.check("Secret/ns/boot", None), Seen::Waiting);
+    }
+
+    /// The wiring: a watch's Delete reaches [`Expectations::gone`] with the object's key, once
+    /// the store no longer holds it; Applies forget nothing.
+    #[tokio::test]
+    async fn a_watched_deletion_reaches_the_expectations() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        use kube::runtime::watcher::Event;
+        let e = Arc::new(Expectations::<()>::default());
+        e.wrote("ConfigMap/ns/a".into(), Some("1".into()), None);
+        e.wrote("ConfigMap/ns/b".into(), Some("5".into()), Some("6".into()));
+        let shared = crate::stores::SharedStore::<ConfigMap>::new();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let seen = e.clone();
+        let (forgot, mut forgotten) = tokio::sync::mpsc::unbounded_channel();
+        let store = shared.store.clone();
+        follow_deletions(&shared, move |key| {
+            seen.gone(key);
+            let _ = forgot.send((key.to_string(), store.state().len()));
+        });
+        let events =
+            futures::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
+            );
+        shared.run_on(events);
+        let cm = |name: &str, version: &str| ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        for event in [
+            Event::Init,
+            Event::InitApply(cm("a", "1")),
+            Event::InitApply(cm("b", "5")),
+            Event::InitDone,
+            Event::Apply(cm("b", "7")),
+            Event::Delete(cm("a", "1")),
+        ] {
+            assert!(tx.send(event).is_ok());
+        }
+        let reported = tokio::time::timeout(Duration::from_secs(10), forgotten.recv()).await;
+        assert_eq!(
+            reported.ok().flatten(),
+            Some(("ConfigMap/ns/a".to_string(), 1)),
+            "a's deletion, once the store no longer held it"
+        );
+        assert_eq!(e.len(), 1, "a's deletion forgot a");
+        assert_eq!(e.check("ConfigMap/ns/b", Some("5")), Seen::Waiting);
+        assert!(forgotten.try_recv().is_err(), "Applies forget nothing");
     }
 
     #[test]
