@@ -109,12 +109,28 @@ const HOLD_AT_MOST: Duration = Duration::from_secs(30);
 /// the manager around its leader fence, so a write is checked against the fence when it leaves
 /// the queue, not when it joins it.
 pub fn gated(client: kube::Client, in_flight: usize, beside_urgent: usize) -> kube::Client {
+    gate(client, in_flight, beside_urgent, true)
+}
+
+/// [`gated`], for a client of another cluster's apiserver (a workload cluster's): the same
+/// bound and lanes, its own, but not timed in `metalboot_apiserver_request_seconds`, which
+/// times the management apiserver's requests.
+pub fn gated_elsewhere(
+    client: kube::Client,
+    in_flight: usize,
+    beside_urgent: usize,
+) -> kube::Client {
+    gate(client, in_flight, beside_urgent, false)
+}
+
+fn gate(client: kube::Client, in_flight: usize, beside_urgent: usize, timed: bool) -> kube::Client {
     if in_flight == 0 {
         return client;
     }
     let namespace = client.default_namespace().to_string();
     kube::Client::new(
         Gated {
+            timed,
             inner: client,
             permits: Arc::new(Semaphore::new(in_flight)),
             lanes: Arc::new(Lanes {
@@ -129,6 +145,8 @@ pub fn gated(client: kube::Client, in_flight: usize, beside_urgent: usize) -> ku
 
 #[derive(Clone)]
 struct Gated {
+    /// Whether requests are timed in the management apiserver's metrics.
+    timed: bool,
     inner: kube::Client,
     permits: Arc<Semaphore>,
     lanes: Arc<Lanes>,
@@ -219,8 +237,12 @@ impl tower::Service<http::Request<Body>> for Gated {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let (inner, permits, lanes) =
-            (self.inner.clone(), self.permits.clone(), self.lanes.clone());
+        let (inner, permits, lanes, timed) = (
+            self.inner.clone(),
+            self.permits.clone(),
+            self.lanes.clone(),
+            self.timed,
+        );
         let held = !exempt(&request);
         // kube's Buffer hands this future back to the requesting task to poll, so `is_urgent`
         // sees that task's lane.
@@ -245,7 +267,7 @@ impl tower::Service<http::Request<Body>> for Gated {
             };
             // Timed per lane, so a slow answer can be told from a long wait here.
             use crate::metrics::{ApiserverRequestStage as Stage, observe_apiserver_request};
-            let urgent = counted.as_ref().map(|c| c.urgent);
+            let urgent = counted.as_ref().filter(|_| timed).map(|c| c.urgent);
             let sent = std::time::Instant::now();
             if let Some(urgent) = urgent {
                 let queued = sent.duration_since(arrived).as_secs_f64();
@@ -372,6 +394,43 @@ mod tests {
             5,
             "2 ordinary + 3 past the gate"
         );
+    }
+
+    /// A workload cluster's client is bounded the same way, with its own permits: the
+    /// management client's crowd does not hold it up, nor it the crowd.
+    #[tokio::test]
+    async fn a_workload_clusters_requests_wait_for_their_own_bound() {
+        let (management, workload) = (Counting::default(), Counting::default());
+        let managed = gated(kube::Client::new(management.clone(), "default"), 1, 1);
+        let elsewhere = gated_elsewhere(kube::Client::new(workload.clone(), "default"), 2, 1);
+        let mut calls = Vec::new();
+        for (client, n) in [(managed, 1), (elsewhere, 5)] {
+            for i in 0..n {
+                let client = client.clone();
+                calls.push(tokio::spawn(async move {
+                    client.send(get(&format!("/api/v1/nodes/n{i}"))).await
+                }));
+            }
+        }
+        let in_flight = || workload.now.load(Ordering::SeqCst);
+        let reached = tokio::time::timeout(Duration::from_secs(10), until(|| in_flight() == 2));
+        assert!(
+            reached.await.is_ok(),
+            "two pass through while the management bound is full"
+        );
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(in_flight(), 2, "three wait for a permit");
+        for call in calls {
+            while !call.is_finished() {
+                management.release.notify_waiters();
+                workload.release.notify_waiters();
+                tokio::task::yield_now().await;
+            }
+            assert!(matches!(call.await, Ok(Ok(_))));
+        }
+        assert_eq!(workload.peak.load(Ordering::SeqCst), 2);
     }
 
     /// A request waiting for a permit leaves the queue once its pass's priority is raised.

@@ -420,6 +420,16 @@ impl Workloads {
         let workload = crate::controlplane::client_with_retries(kubeconfig, false)
             .await
             .map_err(|e| invalid(e.to_string()))?;
+        // A fleet's release drains hundreds of nodes at once. Unbounded, each drain's reads,
+        // cordon and evictions went to the workload apiserver together (3,000 LIST pods and
+        // GET nodes at N=3,000), each holding a connection and its answer, while the manager's
+        // own requests waited at 8 in flight; and that apiserver is the operator's production
+        // cluster. They wait here as the manager's own do. The Node watch is never held.
+        let workload = crate::kubeconn::gate::gated_elsewhere(
+            workload,
+            crate::kubeconn::gate::DEFAULT_IN_FLIGHT,
+            crate::kubeconn::gate::DEFAULT_BESIDE_URGENT,
+        );
         let (store, mut writer) = reflector::store();
         let nodes = NodesByProviderId::new(provider_id_of);
         let listener = self.listener.clone();
