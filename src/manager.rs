@@ -759,7 +759,7 @@ fn forget_expected_on_deletion<K, C, A>(
     A: 'static,
 {
     let ctx = ctx.clone();
-    crate::controllers::expectations::follow_deletions(shared, move |key| {
-        expectations(&ctx).gone(key)
+    crate::controllers::expectations::follow_deletions(shared, move |key, absent| {
+        expectations(&ctx).gone(key, absent)
     });
 }

@@ -486,11 +486,18 @@ impl<A> Expectations<A> {
     /// object's key again, so before this it stayed until the sweep [`FORGET_AFTER`] later,
     /// about four per released Machine, in memory all through a fleet's release. One its absence
     /// does not meet (our create, not shown yet) stays, as [`Expectations::check`] would keep it.
-    pub fn gone(&self, key: &str) {
+    /// A pass that still holds a copy from before the deletion must not decide from it: the
+    /// MetalMachine controller ends a pass whose object left the store while it waited.
+    ///
+    /// `absent` asks the store whether it still holds no object under that name, while no write
+    /// can be recorded: a deletion reported late, after a namesake was created and written to,
+    /// must not forget the namesake's expectations while the store shows its older version.
+    pub fn gone(&self, key: &str, absent: impl FnOnce() -> bool) {
         if let Ok(mut pending) = self.pending.lock()
             && pending
                 .get(key)
                 .is_some_and(|entry| state_of(entry, None) == Seen::Met)
+            && absent()
         {
             pending.remove(key);
         }
@@ -582,24 +589,28 @@ pub fn object_key(kind: &str, namespace: &str, name: &str) -> String {
     format!("{kind}/{namespace}/{name}")
 }
 
-/// Hands `gone` the key ([`object_key`]) of each object `shared`'s watch deletes, once the store
-/// no longer holds it: for [`Expectations::gone`]. Subscribe before the store runs. An object
-/// deleted while the watch was down (seen only as missing from the next list) is not reported;
-/// the sweep [`FORGET_AFTER`] later still drops its entries.
+/// Hands `gone` the key ([`object_key`]) of each object `shared`'s watch deletes, after the
+/// store applied the deletion, with a question for [`Expectations::gone`]: whether the store
+/// still holds no object of that name (a namesake may have been created since). Subscribe
+/// before the store runs. An object deleted while the watch was down (seen only as missing from
+/// the next list) is not reported; the sweep [`FORGET_AFTER`] later still drops its entries.
 pub fn follow_deletions<K: crate::stores::Watched>(
     shared: &crate::stores::SharedStore<K>,
-    gone: impl Fn(&str) + Send + 'static,
+    gone: impl Fn(&str, &dyn Fn() -> bool) + Send + 'static,
 ) {
     use futures::StreamExt;
     use kube::ResourceExt;
+    use kube::runtime::reflector::ObjectRef;
     let kind = K::kind(&()).into_owned();
     let mut events = shared.subscribe_events(move |obj: &K| {
-        object_key(&kind, &obj.namespace().unwrap_or_default(), &obj.name_any())
+        let key = object_key(&kind, &obj.namespace().unwrap_or_default(), &obj.name_any());
+        (key, ObjectRef::from_obj(obj))
     });
+    let store = shared.store.clone();
     tokio::spawn(async move {
         while let Some(event) = events.next().await {
-            if let kube::runtime::watcher::Event::Delete(key) = event {
-                gone(&key);
+            if let kube::runtime::watcher::Event::Delete((key, object)) = event {
+                gone(&key, &|| store.get(&object).is_none());
             }
         }
     });
@@ -877,7 +888,7 @@ mod tests {
         // Our create, not in the store yet: its absence is the stale view.
         e.wrote("S/ns/created".into(), None, Some("30".into()));
         for key in ["S/ns/deleted", "S/ns/theirs", "S/ns/created", "S/ns/never"] {
-            e.gone(key);
+            e.gone(key, || true);
         }
         assert_eq!(e.len(), 1);
         assert_eq!(e.check("S/ns/created", None), Seen::Waiting);
@@ -892,16 +903,34 @@ mod tests {
         let e = Expectations::<()>::default();
         e.wrote("Secret/ns/boot".into(), Some("10".into()), None);
         e.wrote("Secret/ns/boot".into(), None, Some("12".into()));
-        e.gone("Secret/ns/boot");
+        e.gone("Secret/ns/boot", || true);
         assert_eq!(e.check("Secret/ns/boot", None), Seen::Waiting);
         assert_eq!(e.check("Secret/ns/boot", Some("10")), Seen::Waiting);
         assert_eq!(e.check("Secret/ns/boot", Some("12")), Seen::Met);
         // In the other order the deletion forgets the old entry, and the create starts anew.
         e.wrote("Secret/ns/boot".into(), Some("12".into()), None);
-        e.gone("Secret/ns/boot");
+        e.gone("Secret/ns/boot", || true);
         assert!(e.is_empty());
         e.wrote("Secret/ns/boot".into(), None, Some("14".into()));
         assert_eq!(e.check("Secret/ns/boot", None), Seen::Waiting);
+    }
+
+    /// A deletion reported after its namesake was created, shown and written to: the store
+    /// holds the namesake, so the wait for our write to it goes on (forgetting it would let a
+    /// pass decide from the namesake's version before our write).
+    #[test]
+    fn a_late_deletion_leaves_a_shown_namesakes_write_alone() {
+        let e = Expectations::<()>::default();
+        e.wrote(
+            "Secret/ns/boot".into(),
+            Some("12".into()),
+            Some("13".into()),
+        );
+        let store_holds_the_namesake = || false;
+        e.gone("Secret/ns/boot", store_holds_the_namesake);
+        assert_eq!(e.check("Secret/ns/boot", Some("12")), Seen::Waiting);
+        e.gone("Secret/ns/boot", || true);
+        assert!(e.is_empty(), "once the store holds none, absence meets it");
     }
 
     /// The wiring: a watch's Delete reaches [`Expectations::gone`] with the object's key, once
@@ -918,8 +947,8 @@ mod tests {
         let seen = e.clone();
         let (forgot, mut forgotten) = tokio::sync::mpsc::unbounded_channel();
         let store = shared.store.clone();
-        follow_deletions(&shared, move |key| {
-            seen.gone(key);
+        follow_deletions(&shared, move |key, absent| {
+            seen.gone(key, absent);
             let _ = forgot.send((key.to_string(), store.state().len()));
         });
         let events =

@@ -590,11 +590,17 @@ async fn pass_in_turn(
     if let Some(lane) = lane.filter(|l| l.measure_turn) {
         observe_stage("turn", lane.called);
     }
-    let mm = ctx
+    // Gone from the store while this pass waited for its turn: deleted, so there is nothing to
+    // decide, and the copy it was started with is stale. Deciding from it once waited on our
+    // delete's expectation; that is forgotten when the deletion reaches the store
+    // (`Expectations::gone`), so the pass ends here instead.
+    let Some(mm) = ctx
         .stores
         .metal_machines
         .get(&ObjectRef::from_obj(mm.as_ref()))
-        .unwrap_or(mm);
+    else {
+        return Ok(Passed::Decided(Action::await_change()));
+    };
     let notes = Mutex::new(PassNotes::default());
     let pass = super::instrumented(CONTROLLER, object, pass_noting(mm, ctx, &notes));
     let action = crate::kubeconn::gate::with_priority(turn.priority(), pass).await?;
