@@ -104,6 +104,17 @@ pub async fn observe(ctx: &MachineContext, mm: Arc<MetalMachine>) -> Observation
             {
                 return Observation::Stale(mm_key);
             }
+            // Met because our delete's expectation was forgotten when the deletion reached the
+            // store (`Expectations::gone` runs only after that)? Then the store no longer holds
+            // the object, and `mm` is a copy from before: decide nothing from it. Read after the
+            // check, this closes the window between the pass's read and its check.
+            if stores
+                .metal_machines
+                .get(&ObjectRef::from_obj(mm.as_ref()))
+                .is_none()
+            {
+                return Observation::Stale(mm_key);
+            }
             mm
         }
     };
