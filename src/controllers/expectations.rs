@@ -482,12 +482,13 @@ impl<A> Expectations<A> {
     }
 
     /// The store no longer holds `key`. An expectation its absence meets (our delete, or
-    /// writes before someone else's delete) is forgotten now: no pass looks at a deleted
-    /// object's key again, so before this it stayed until the sweep [`FORGET_AFTER`] later,
-    /// about four per released Machine, in memory all through a fleet's release. One its absence
-    /// does not meet (our create, not shown yet) stays, as [`Expectations::check`] would keep it.
-    /// A pass that still holds a copy from before the deletion must not decide from it: the
-    /// MetalMachine controller ends a pass whose object left the store while it waited.
+    /// writes before someone else's delete) is forgotten now, not by the sweep [`FORGET_AFTER`]
+    /// later: about four per released Machine stayed in memory all through a fleet's release.
+    /// One its absence does not meet (our create, not shown yet) stays, as
+    /// [`Expectations::check`] would keep it. A pass still holding a copy from before the
+    /// deletion then finds its check met, so it must not decide from that copy: the
+    /// MetalMachine controller reads the store again after the check (`metalmachine::observe`)
+    /// and ends a pass whose object left the store while it waited for its turn.
     ///
     /// `absent` asks the store whether it still holds no object under that name, while no write
     /// can be recorded: a deletion reported late, after a namesake was created and written to,
