@@ -422,9 +422,10 @@ impl Workloads {
             .map_err(|e| invalid(e.to_string()))?;
         // A fleet's release drains hundreds of nodes at once. Unbounded, each drain's reads,
         // cordon and evictions went to the workload apiserver together (3,000 LIST pods and
-        // GET nodes at N=3,000), each holding a connection and its answer, while the manager's
-        // own requests waited at 8 in flight; and that apiserver is the operator's production
-        // cluster. They wait here as the manager's own do. The Node watch is never held.
+        // GET nodes at N=3,000), each on a connection of its own, while the manager's own
+        // requests waited at 8 in flight; and that apiserver is the operator's production
+        // cluster. They now wait for a bound of 8 of their own (fixed: the manager's
+        // `--api-requests-in-flight` is for its own apiserver). The Node watch is never held.
         let workload = crate::kubeconn::gate::gated_elsewhere(
             workload,
             crate::kubeconn::gate::DEFAULT_IN_FLIGHT,
