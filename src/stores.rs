@@ -58,6 +58,15 @@ where
     index: Option<Index<K>>,
 }
 
+/// What a [`SharedStore::subscribe_departures`] subscriber hears.
+#[derive(Debug, PartialEq)]
+pub enum Departure<T> {
+    /// The watch deleted this object, and the store no longer holds it.
+    Deleted(T),
+    /// The store now holds a full list: whatever it lacks is gone, deletion seen or not.
+    Relisted,
+}
+
 /// A subscriber to the watch events themselves (see [`SharedStore::subscribe_events`]); false
 /// once its receiver is gone.
 type Listener<K> = Box<dyn FnMut(&watcher::Event<K>) -> bool + Send>;
@@ -113,6 +122,28 @@ where
                 watcher::Event::InitDone => watcher::Event::InitDone,
             };
             tx.send(viewed).is_ok()
+        });
+        if let Ok(mut listeners) = self.listeners.lock() {
+            listeners.push(listener);
+        }
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+            .boxed()
+    }
+
+    /// What leaves the store, each object seen through `view` only when it does: a watch's
+    /// deletion ([`Departure::Deleted`], sent once the store no longer holds it) or a full list
+    /// applied ([`Departure::Relisted`]; an object deleted while the watch was down is only
+    /// missing from it). For followers of deletions: [`SharedStore::subscribe_events`] would
+    /// build a view of every object every change, to be thrown away.
+    pub fn subscribe_departures<T: Send + 'static>(
+        &self,
+        view: impl Fn(&K) -> T + Send + 'static,
+    ) -> BoxStream<'static, Departure<T>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let listener: Listener<K> = Box::new(move |event| match event {
+            watcher::Event::Delete(o) => tx.send(Departure::Deleted(view(o))).is_ok(),
+            watcher::Event::InitDone => tx.send(Departure::Relisted).is_ok(),
+            _ => !tx.is_closed(),
         });
         if let Ok(mut listeners) = self.listeners.lock() {
             listeners.push(listener);
@@ -526,6 +557,58 @@ mod tests {
         assert!(other.next().await.is_some(), "every subscriber gets them");
         assert!(store.get(&ObjectRef::new("b").within("ns")).is_none());
         assert!(store.get(&ObjectRef::new("c").within("ns")).is_some());
+    }
+
+    /// A departures subscriber hears each deletion once the store dropped the object, and each
+    /// full list; its view is built for those only, not for every object every change.
+    #[tokio::test]
+    async fn departures_are_deletions_and_relists_and_nothing_else_is_viewed() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let shared = SharedStore::<ConfigMap>::new();
+        let viewed = Arc::new(AtomicUsize::new(0));
+        let counted = viewed.clone();
+        let store = shared.store.clone();
+        let mut departures = shared.subscribe_departures(move |obj: &ConfigMap| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let name = obj.metadata.name.clone().unwrap_or_default();
+            let held = store.get(&ObjectRef::new(&name).within("ns")).is_some();
+            (name, held)
+        });
+        let events = vec![
+            Ok(Event::Init),
+            Ok(Event::InitApply(map("a", "1"))),
+            Ok(Event::InitApply(map("b", "2"))),
+            Ok(Event::InitDone),
+            Ok(Event::Apply(map("b", "3"))),
+            Ok(Event::Delete(map("a", "1"))),
+            Ok(Event::Apply(map("c", "4"))),
+            Ok(Event::Init),
+            Ok(Event::InitApply(map("c", "4"))),
+            Ok(Event::InitDone),
+        ];
+        shared.run_on(futures::stream::iter(events));
+        let mut heard = Vec::new();
+        for _ in 0..3 {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), departures.next());
+            let Ok(Some(departure)) = next.await else {
+                panic!("the departures stopped after {heard:?}");
+            };
+            heard.push(departure);
+        }
+        assert_eq!(
+            heard,
+            [
+                Departure::Relisted,
+                Departure::Deleted(("a".to_string(), false)),
+                Departure::Relisted
+            ],
+            "a's deletion, seen once the store no longer held a"
+        );
+        assert_eq!(
+            viewed.load(Ordering::SeqCst),
+            1,
+            "only the deleted object is viewed"
+        );
     }
 
     /// `kubectl apply`'s manifest copy is not stored; every other annotation is, and a map

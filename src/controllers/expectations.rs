@@ -603,14 +603,14 @@ pub fn follow_deletions<K: crate::stores::Watched>(
     use kube::ResourceExt;
     use kube::runtime::reflector::ObjectRef;
     let kind = K::kind(&()).into_owned();
-    let mut events = shared.subscribe_events(move |obj: &K| {
+    let mut departures = shared.subscribe_departures(move |obj: &K| {
         let key = object_key(&kind, &obj.namespace().unwrap_or_default(), &obj.name_any());
         (key, ObjectRef::from_obj(obj))
     });
     let store = shared.store.clone();
     tokio::spawn(async move {
-        while let Some(event) = events.next().await {
-            if let kube::runtime::watcher::Event::Delete((key, object)) = event {
+        while let Some(departure) = departures.next().await {
+            if let crate::stores::Departure::Deleted((key, object)) = departure {
                 gone(&key, &|| store.get(&object).is_none());
             }
         }

@@ -159,10 +159,10 @@ impl Triggers {
         shared: &crate::stores::SharedStore<K>,
     ) {
         let tx = self.tx.clone();
-        let mut events = shared.subscribe_events(|obj: &K| owning_machines::<Machine>(obj));
+        let mut departures = shared.subscribe_departures(|obj: &K| owning_machines::<Machine>(obj));
         tokio::spawn(async move {
-            while let Some(event) = events.next().await {
-                if let watcher::Event::Delete(owners) = event {
+            while let Some(departure) = departures.next().await {
+                if let crate::stores::Departure::Deleted(owners) = departure {
                     for owner in owners {
                         if tx.send(owner).is_err() {
                             return;

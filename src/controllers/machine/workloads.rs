@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::stores::Departure;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{NodeCondition, NodeSystemInfo, Secret, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -265,17 +266,17 @@ impl Workloads {
                     .is_none()
         }));
         let workloads = Arc::downgrade(self);
-        let mut events = clusters.subscribe_events(|c: &K| cluster_key(kube::Resource::meta(c)));
+        let mut departures =
+            clusters.subscribe_departures(|c: &K| cluster_key(kube::Resource::meta(c)));
         tokio::spawn(async move {
-            while let Some(event) = events.next().await {
+            while let Some(departure) = departures.next().await {
                 let Some(workloads) = workloads.upgrade() else {
                     return;
                 };
-                match event {
-                    watcher::Event::Delete(key) => workloads.forget_key(&key),
+                match departure {
+                    Departure::Deleted(key) => workloads.forget_key(&key),
                     // The store holds the new list by now: the same check a read makes.
-                    watcher::Event::InitDone => workloads.forget_gone(),
-                    _ => {}
+                    Departure::Relisted => workloads.forget_gone(),
                 }
             }
         });
