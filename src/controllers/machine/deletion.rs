@@ -55,8 +55,7 @@ pub async fn delete(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     status.conditions.retain(|c| c.type_ != "Paused");
-    // Boxed: the drain's requests would make every pass carry their size.
-    let progress = Box::pin(cleanup(&m, cluster.as_deref(), ctx, &mut status)).await;
+    let progress = cleanup(&m, cluster.as_deref(), ctx, &mut status).await;
     let version = match write_status(ctx, &m, status).await {
         Ok(version) => version,
         Err(e) => {
@@ -136,7 +135,7 @@ async fn cleanup(
     for (step, prefix) in [("drain", PRE_DRAIN_HOOK), ("terminate", PRE_TERMINATE_HOOK)] {
         if step == "terminate"
             && let Some(node) = status.node_ref.as_ref().map(|n| n.name.clone())
-            && let Some(after) = Box::pin(drain_node(ctx, m, cluster, &node, status)).await?
+            && let Some(after) = drain_node(ctx, m, cluster, &node, status).await?
         {
             return Ok(Progress::Wait(after));
         }
