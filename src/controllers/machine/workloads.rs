@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::stores::Departure;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{NodeCondition, NodeSystemInfo, Secret, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -17,6 +16,8 @@ use kube::api::Api;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinHandle;
+
+use crate::stores::Departure;
 
 /// The cache key of a Cluster's workload: `namespace/name`.
 fn workload_key(namespace: &str, cluster: &str) -> String {
