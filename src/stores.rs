@@ -67,8 +67,8 @@ pub enum Departure<T> {
     Relisted,
 }
 
-/// A subscriber to the watch events themselves (see [`SharedStore::subscribe_events`]); false
-/// once its receiver is gone.
+/// A subscriber to the watch events themselves (see [`SharedStore::listen`]); false once its
+/// receiver is gone.
 type Listener<K> = Box<dyn FnMut(&watcher::Event<K>) -> bool + Send>;
 
 impl<K> SharedStore<K>
@@ -105,29 +105,23 @@ where
     }
 
     /// The watch events, deletions and re-lists included, each object seen through `view` (a
-    /// few fields, not a copy of the object): for a subscriber that must also follow what
-    /// leaves the store. Each event is sent once the store has applied it; a re-list's objects
-    /// (`InitApply`) reach the store only at its `InitDone`, so act on them from there.
+    /// few fields, not a copy of the object): for a subscriber that follows what the store
+    /// holds (a follower of deletions alone takes [`SharedStore::subscribe_departures`]). Each
+    /// event is sent once the store has applied it; a re-list's objects (`InitApply`) reach the
+    /// store only at its `InitDone`, so act on them from there.
     pub fn subscribe_events<T: Send + 'static>(
         &self,
         view: impl Fn(&K) -> T + Send + 'static,
     ) -> BoxStream<'static, watcher::Event<T>> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let listener: Listener<K> = Box::new(move |event| {
-            let viewed = match event {
+        self.listen(move |event| {
+            Some(match event {
                 watcher::Event::Apply(o) => watcher::Event::Apply(view(o)),
                 watcher::Event::Delete(o) => watcher::Event::Delete(view(o)),
                 watcher::Event::Init => watcher::Event::Init,
                 watcher::Event::InitApply(o) => watcher::Event::InitApply(view(o)),
                 watcher::Event::InitDone => watcher::Event::InitDone,
-            };
-            tx.send(viewed).is_ok()
-        });
-        if let Ok(mut listeners) = self.listeners.lock() {
-            listeners.push(listener);
-        }
-        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
-            .boxed()
+            })
+        })
     }
 
     /// What leaves the store, each object seen through `view` only when it does: a watch's
@@ -139,11 +133,23 @@ where
         &self,
         view: impl Fn(&K) -> T + Send + 'static,
     ) -> BoxStream<'static, Departure<T>> {
+        self.listen(move |event| match event {
+            watcher::Event::Delete(o) => Some(Departure::Deleted(view(o))),
+            watcher::Event::InitDone => Some(Departure::Relisted),
+            _ => None,
+        })
+    }
+
+    /// A listener that sends what `pick` makes of each watch event (None: nothing), once the
+    /// store has applied it; it is dropped with its receiver.
+    fn listen<T: Send + 'static>(
+        &self,
+        pick: impl Fn(&watcher::Event<K>) -> Option<T> + Send + 'static,
+    ) -> BoxStream<'static, T> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let listener: Listener<K> = Box::new(move |event| match event {
-            watcher::Event::Delete(o) => tx.send(Departure::Deleted(view(o))).is_ok(),
-            watcher::Event::InitDone => tx.send(Departure::Relisted).is_ok(),
-            _ => !tx.is_closed(),
+        let listener: Listener<K> = Box::new(move |event| match pick(event) {
+            Some(picked) => tx.send(picked).is_ok(),
+            None => !tx.is_closed(),
         });
         if let Ok(mut listeners) = self.listeners.lock() {
             listeners.push(listener);
