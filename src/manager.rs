@@ -180,6 +180,9 @@ pub struct RunningManager {
     tasks: Vec<JoinHandle<()>>,
     /// Helpers that finish on their own (store sync); aborted with the manager.
     helpers: Vec<JoinHandle<()>>,
+    /// The stores' watches. Aborted with the manager: a manager dropped in a process that goes
+    /// on (a test's restart, the lab) must not leave its watches on the apiserver.
+    watches: Vec<JoinHandle<()>>,
     /// Held while this replica leads (None without leader election).
     leadership: Option<Leadership>,
 }
@@ -234,6 +237,11 @@ impl RunningManager {
         }
     }
 
+    /// The stores' watch tasks, to see them end once the manager is dropped.
+    pub fn watch_tasks(&self) -> Vec<tokio::task::AbortHandle> {
+        self.watches.iter().map(JoinHandle::abort_handle).collect()
+    }
+
     /// The write fence, when leader election is on.
     pub fn fence(&self) -> Option<Arc<leader::WriteFence>> {
         self.leadership.as_ref().map(Leadership::fence)
@@ -242,7 +250,7 @@ impl RunningManager {
 
 impl Drop for RunningManager {
     fn drop(&mut self) {
-        for task in self.tasks.iter().chain(&self.helpers) {
+        for task in self.tasks.iter().chain(&self.helpers).chain(&self.watches) {
             task.abort();
         }
         if let Some(held) = &self.held {
@@ -311,6 +319,7 @@ pub async fn start(
         held: None,
         tasks: Vec::new(),
         helpers: Vec::new(),
+        watches: Vec::new(),
         leadership,
     };
 
@@ -402,7 +411,7 @@ pub async fn start(
     }
     let shared_clusters = reflectors.as_ref().map(|r| r.stores().clusters);
     if let Some(reflectors) = reflectors {
-        reflectors.run(client.clone(), namespace);
+        running.watches = reflectors.run(client.clone(), namespace);
     }
     if let Some((controller, ctx)) = standalone_machines {
         // Upstream Cluster API's jobs, for clusters without it: Machines and Cluster status.
@@ -444,7 +453,11 @@ pub async fn start(
             content_from: cloudinitconfig::content_from_reads(),
         });
         forget_expected_on_deletion(&configs, &config_ctx, |c| &c.expectations);
-        cloudinitconfig::watch_configs(configs, client.clone(), namespace);
+        running.watches.push(cloudinitconfig::watch_configs(
+            configs,
+            client.clone(),
+            namespace,
+        ));
         running
             .tasks
             .push(tokio::spawn(cloudinitconfig::run(controller, config_ctx)));

@@ -23,6 +23,7 @@ use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 use crate::boot::tokens::StoredBootSecret;
 
@@ -159,32 +160,50 @@ where
     }
 
     /// Fills the store from `api` until the process ends; watch errors back off and retry.
+    /// For stores that live as long as the process (tests, benchmarks); a manager keeps the
+    /// handle of [`SharedStore::start`] instead, to stop the watch with itself.
     pub fn run(self, api: Api<K>, config: watcher::Config) -> Store<K> {
-        self.run_on(lean(watcher(api, config)).default_backoff())
+        self.start(api, config).0
     }
 
-    /// [`SharedStore::run`], each object trimmed by `keep` before it is stored and passed on.
-    pub fn run_keeping(
+    /// Fills the store from `api` until the returned task is aborted (dropping the handle does
+    /// not stop it); watch errors back off and retry.
+    pub fn start(self, api: Api<K>, config: watcher::Config) -> (Store<K>, JoinHandle<()>) {
+        self.start_on(lean(watcher(api, config)).default_backoff())
+    }
+
+    /// [`SharedStore::start`], each object trimmed by `keep` before it is stored and passed on.
+    pub fn start_keeping(
         self,
         api: Api<K>,
         config: watcher::Config,
         keep: impl FnMut(&mut K) + Send + 'static,
-    ) -> Store<K> {
-        self.run_on(lean(watcher(api, config)).modify(keep).default_backoff())
+    ) -> (Store<K>, JoinHandle<()>) {
+        self.start_on(lean(watcher(api, config)).modify(keep).default_backoff())
     }
 
-    /// Fills the store from `events` (a watch) and sends the changes to the subscribers.
+    /// Fills the store from `events` (a watch) and sends the changes to the subscribers, for as
+    /// long as `events` lasts.
     pub fn run_on(
         self,
         events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     ) -> Store<K> {
+        self.start_on(events).0
+    }
+
+    /// [`SharedStore::run_on`], with the task's handle. Aborting the task drops the store's
+    /// writer and its subscribers' senders, so their change streams end too.
+    pub fn start_on(
+        self,
+        events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    ) -> (Store<K>, JoinHandle<()>) {
         let store = self.store.clone();
         let mut writer = self.writer;
         let mut subscribers = self.subscribers.into_inner().unwrap_or_default();
         let mut listeners = self.listeners.into_inner().unwrap_or_default();
         let index = self.index;
         let stream = events;
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
@@ -200,7 +219,7 @@ where
                 }
             }
         });
-        self.store
+        (self.store, task)
     }
 }
 
@@ -487,8 +506,9 @@ impl Reflectors {
         }
     }
 
-    /// Starts every watch (after all controllers subscribed), in `namespace` or everywhere.
-    pub fn run(self, client: kube::Client, namespace: Option<&str>) {
+    /// Starts every watch (after all controllers subscribed), in `namespace` or everywhere. The
+    /// watches run until their tasks are aborted (the manager does when it is dropped).
+    pub fn run(self, client: kube::Client, namespace: Option<&str>) -> Vec<JoinHandle<()>> {
         fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
         where
             K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
@@ -500,14 +520,18 @@ impl Reflectors {
             }
         }
         let all = watcher::Config::default;
-        self.hosts.run(api(&client, namespace), all());
-        self.metal_machines.run(api(&client, namespace), all());
-        self.machines
-            .run_keeping(api(&client, namespace), all(), keep_machine);
-        self.clusters.run(api(&client, namespace), all());
-        self.metal_clusters.run(api(&client, namespace), all());
-        self.boot_secrets
-            .run(api(&client, namespace), boot_secrets());
+        vec![
+            self.hosts.start(api(&client, namespace), all()).1,
+            self.metal_machines.start(api(&client, namespace), all()).1,
+            self.machines
+                .start_keeping(api(&client, namespace), all(), keep_machine)
+                .1,
+            self.clusters.start(api(&client, namespace), all()).1,
+            self.metal_clusters.start(api(&client, namespace), all()).1,
+            self.boot_secrets
+                .start(api(&client, namespace), boot_secrets())
+                .1,
+        ]
     }
 }
 

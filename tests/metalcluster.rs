@@ -1,5 +1,6 @@
 //! The MetalCluster controller against the real apiserver: its failure domains follow the labels
-//! of the namespace's MetalHosts as they are added, relabelled and deleted.
+//! of the namespace's MetalHosts as they are added, relabelled and deleted. And a manager
+//! dropped in a process that goes on takes its watches with it.
 
 mod support;
 
@@ -37,8 +38,13 @@ async fn until_domains(clusters: &Api<MetalCluster>, want: &[&str]) {
     .await;
 }
 
+/// Held by each test of this binary: the watch count below is the apiserver's (this binary's
+/// own), so one manager at a time.
+static ONE_MANAGER_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn failure_domains_follow_host_labels_through_relabels_and_deletes() {
+    let _alone = ONE_MANAGER_AT_A_TIME.lock().await;
     let (ns, _manager) = support::standalone_env("mc-domains").await;
     let hosts: Api<MetalHost> = Api::namespaced(ns.client.clone(), &ns.name);
     let clusters: Api<MetalCluster> = Api::namespaced(ns.client.clone(), &ns.name);
@@ -84,4 +90,68 @@ async fn failure_domains_follow_host_labels_through_relabels_and_deletes() {
         .await
         .expect("delete");
     until_domains(&clusters, &["rack-b", "rack-d"]).await;
+}
+
+/// Watches of metalboot's and Cluster API's kinds open on the apiserver now, from its own gauge
+/// (`apiserver_longrunning_requests`). Only a manager watches those kinds here.
+async fn open_watches_of_our_kinds(client: &kube::Client) -> u64 {
+    const KINDS: [&str; 6] = [
+        "metalhosts",
+        "metalmachines",
+        "metalclusters",
+        "cloudinitconfigs",
+        "machines",
+        "clusters",
+    ];
+    let request = http::Request::get("/metrics").body(Vec::new());
+    let Ok(request) = request else {
+        return u64::MAX;
+    };
+    let metrics = client
+        .request_text(request)
+        .await
+        .expect("the apiserver's /metrics");
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("apiserver_longrunning_requests{") && l.contains("verb=\"WATCH\"")
+        })
+        .filter(|l| {
+            KINDS
+                .iter()
+                .any(|k| l.contains(&format!("resource=\"{k}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+/// A manager dropped in a process that goes on (a test's restart, the lab) stops its stores'
+/// watches: their tasks end and the apiserver counts none of them open.
+#[tokio::test]
+async fn a_dropped_manager_leaves_no_watch_open() {
+    let _alone = ONE_MANAGER_AT_A_TIME.lock().await;
+    let (ns, manager) = support::standalone_env("mc-dropped").await;
+    let tasks = manager.watch_tasks();
+    assert!(tasks.len() >= 6, "the manager runs its stores' watches");
+    // The gauge is this binary's apiserver's: before the drop it shows the manager's watches.
+    eventually(
+        "the manager's watches open on the apiserver",
+        60,
+        || async { (open_watches_of_our_kinds(&ns.client).await >= 6).then_some(()) },
+    )
+    .await;
+    assert!(tasks.iter().all(|t| !t.is_finished()), "watches run");
+
+    drop(manager);
+    eventually("every store's watch task ended", 30, || async {
+        tasks.iter().all(|t| t.is_finished()).then_some(())
+    })
+    .await;
+    eventually(
+        "no watch of ours left open on the apiserver",
+        60,
+        || async { (open_watches_of_our_kinds(&ns.client).await == 0).then_some(()) },
+    )
+    .await;
 }

@@ -607,12 +607,14 @@ pub fn watch_configs(
     configs: SharedStore<CloudInitConfig>,
     client: kube::Client,
     namespace: Option<&str>,
-) -> Store<CloudInitConfig> {
+) -> tokio::task::JoinHandle<()> {
     let api: Api<CloudInitConfig> = match namespace {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    configs.run_keeping(api, watcher::Config::default(), forget_rendered_spec)
+    configs
+        .start_keeping(api, watcher::Config::default(), forget_rendered_spec)
+        .1
 }
 
 pub async fn run(controller: Controller<CloudInitConfig>, ctx: Arc<ConfigContext>) {
