@@ -758,10 +758,15 @@ async fn provision_m1(lab: &Lab, manager: &RunningManager) {
     .await;
 }
 
+/// m1's boot Secret as the boot service reads it, if it exists and reads.
+async fn m1_boot_record(lab: &Lab) -> Option<metalboot::boot::tokens::BootRecord> {
+    let secret = lab.boot_secret("m1").await?;
+    metalboot::boot::tokens::parse_secret(&secret).ok()
+}
+
 /// Which boot after provisioning m1's boot Secret is armed for (live mode), if it is.
 async fn armed_for_reboot(lab: &Lab) -> Option<u32> {
-    let secret = lab.boot_secret("m1").await?;
-    metalboot::boot::tokens::parse_secret(&secret).ok()?.reboot
+    m1_boot_record(lab).await?.reboot
 }
 
 #[tokio::test]
@@ -1392,10 +1397,7 @@ async fn a_store_held_back_past_the_ttl_never_power_cycles_a_host_that_called_ba
 /// Secret: the power-on writes it there with `powered-at`, in one patch.
 async fn boot_once_noted(lab: &Lab) -> metalboot::api::metalhost::BootOnce {
     support::eventually("bootOnce noted on the boot Secret", 30, || async {
-        let secret = lab.boot_secret("m1").await?;
-        metalboot::boot::tokens::parse_secret(&secret)
-            .ok()?
-            .boot_once
+        m1_boot_record(lab).await?.boot_once
     })
     .await
 }
