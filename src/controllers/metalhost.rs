@@ -1,5 +1,5 @@
 //! MetalHost controller: registers hosts (credentials + a BMC that answers → Available, or Error
-//! with the fault), reads inventory once, polls power politely, and holds `online: false` hosts
+//! with the fault), reads inventory once, polls power politely (one sweep, [`poll_sweep`]), and holds `online: false` hosts
 //! powered off. It is the only writer of MetalHost status: `state` is derived from the claim in
 //! `spec.consumerRef` (written by the MetalMachine controller) and the consumer's own status, so
 //! a host restored from a backup with its consumerRef is never shown Available, and nobody else's
@@ -66,9 +66,14 @@ pub enum HostPlan {
     HoldOff,
     /// Read the power state.
     Poll,
-    /// Nothing to do with the BMC until then (status may still change).
-    Wait(Duration),
+    /// No BMC call due (status may still change): the poll sweep ([`poll_sweep`]) comes back.
+    Wait,
 }
+
+/// A power reading is due once the last one is this share of the poll interval old. The poll
+/// sweep comes back to each host once per interval, a little later than its last reading when
+/// that pass waited its turn, so a reading taken at one sweep is due at the next.
+const DUE_SHARE: f64 = 0.9;
 
 /// `last_read` is this manager's last power reading of the host: readings that changed nothing
 /// are not written to status (see [`poll_status`]), so status alone may look older.
@@ -95,11 +100,10 @@ pub fn plan(
         .max(last_read)
         .map(|t| now.duration_since(t).as_secs())
         .unwrap_or(i64::MAX);
-    let interval = poll_interval.as_secs() as i64;
-    if since_check >= interval {
+    if since_check >= poll_interval.mul_f64(DUE_SHARE).as_secs() as i64 {
         HostPlan::Poll
     } else {
-        HostPlan::Wait(Duration::from_secs((interval - since_check).max(1) as u64))
+        HostPlan::Wait
     }
 }
 
@@ -575,8 +579,6 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
         return Ok(Action::requeue(Duration::from_millis(250)));
     }
     let now = conditions::now();
-    let jitter = 0.9 + rand::random::<f64>() * 0.2;
-    let interval = ctx.poll_interval.mul_f64(jitter);
     let consumer = consumer_of(&host, &ctx.stores.metal_machines);
     let facts = attempt_facts(&host, &ctx.stores.boot_secrets);
     let sharers = boot_mac_sharers(&ctx.stores.host_index, &host);
@@ -589,7 +591,9 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
     };
     // Each plan's work boxed: inline, every pass would carry the size of the largest (the
     // registration's BMC reads), up to `CONCURRENT_PASSES` at once.
-    match plan(&host, now.0, interval, ctx.power_readings.get(&host_key)) {
+    // A pass that reads the BMC, or has nothing due, ends without a timer of its own: the poll
+    // sweep brings the host back at its next reading.
+    match plan(&host, now.0, ctx.poll_interval, ctx.power_readings.get(&host_key)) {
         HostPlan::Paused => Box::pin(async {
             let mut status = host.status.clone().unwrap_or_default();
             conditions::set(
@@ -691,7 +695,7 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                             )
                             .await;
                     }
-                    Ok(Action::requeue(interval))
+                    Ok(Action::await_change())
                 }
             }
         })
@@ -763,10 +767,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
             let polled = poll_status(current, host.metadata.generation, result, &now);
             let status = settle(&host, polled, consumer, &facts, &sharers, &now);
             write_and_tell(ctx, &api, &host, &status).await?;
-            Ok(Action::requeue(interval))
+            Ok(Action::await_change())
         })
         .await,
-        HostPlan::Wait(d) => Box::pin(async {
+        HostPlan::Wait => Box::pin(async {
             // No BMC call due, but the claim or its consumer may have moved on: settle the state.
             let status = settle(
                 &host,
@@ -784,10 +788,10 @@ async fn pass(host: Arc<MetalHost>, ctx: &HostContext) -> Result<Action, Reconci
                 });
                 let status = poll_status(status, host.metadata.generation, result, &now);
                 write_and_tell(ctx, &api, &host, &status).await?;
-                return Ok(Action::requeue(interval));
+                return Ok(Action::await_change());
             }
             write_and_tell(ctx, &api, &host, &status).await?;
-            Ok(Action::requeue(d))
+            Ok(Action::await_change())
         })
         .await,
     }
@@ -946,10 +950,57 @@ fn boot_mac_wakes(
     })
 }
 
+/// The power poll, as one timer instead of one per host: every `poll_interval / slices` (about a
+/// second), the hosts of the next slice (by a hash of their names), so each host not paused gets
+/// a pass once per interval, spread over it. Each pass returned `requeue(interval)` before, and
+/// kube-runtime's scheduler kept about 700 bytes per host for it (its reference twice, in a hash
+/// map and a timer wheel): 7 MB at 10,000 hosts. A reading taken between sweeps (a new state is
+/// read at once) moves the next one to the sweep after, so a host is read at least every two
+/// intervals, and in the steady state once per interval.
+pub fn poll_sweep(
+    hosts: Store<MetalHost>,
+    poll_interval: Duration,
+) -> impl futures::Stream<Item = ObjectRef<MetalHost>> + Send + 'static {
+    let slices = poll_slices(poll_interval);
+    let mut ticks = tokio::time::interval(poll_interval / slices as u32);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    futures::stream::unfold((ticks, 0u64), move |(mut ticks, slice)| {
+        let hosts = hosts.clone();
+        async move {
+            ticks.tick().await;
+            let due = in_poll_slice(&hosts.state(), slice, slices);
+            Some((futures::stream::iter(due), (ticks, (slice + 1) % slices)))
+        }
+    })
+    .flatten()
+}
+
+/// The sweep's slices: one per second of the interval, at least one.
+fn poll_slices(poll_interval: Duration) -> u64 {
+    poll_interval.as_secs().clamp(1, u32::MAX.into())
+}
+
+/// The hosts of `hosts` whose reading falls in `slice` of `slices`: each host not paused is in
+/// exactly one (a paused host is left as it is, so nothing of it is read).
+fn in_poll_slice(hosts: &[Arc<MetalHost>], slice: u64, slices: u64) -> Vec<ObjectRef<MetalHost>> {
+    hosts
+        .iter()
+        .filter(|h| {
+            !paused(h) && poll_slice(h.namespace().as_deref(), &h.name_any(), slices) == slice
+        })
+        .map(|h| ObjectRef::from_obj(h.as_ref()))
+        .collect()
+}
+
+/// The slice of a host's reading: stable for its name, so its readings stay an interval apart.
+fn poll_slice(namespace: Option<&str>, name: &str, slices: u64) -> u64 {
+    crate::stable_hash::stable_hash(&(namespace, name)) % slices.max(1)
+}
+
 /// The controller over the shared host stream; a consumer's change (provisioned, deleting)
 /// wakes its host, a changed credentials Secret re-checks the hosts using it, and a host that
 /// comes to or leaves a boot MAC others name wakes them (`host_macs`: the shared host store's
-/// events through [`boot_mac`]).
+/// events through [`boot_mac`]). Power readings come from [`poll_sweep`], added by [`run`].
 pub fn controller(
     client: kube::Client,
     namespace: Option<&str>,
@@ -1022,8 +1073,10 @@ pub fn controller(
         })
 }
 
+/// Runs the controller, with the power poll's sweep at the context's interval.
 pub async fn run(controller: Controller<MetalHost>, ctx: Arc<HostContext>) {
     controller
+        .reconcile_on(poll_sweep(ctx.stores.hosts.clone(), ctx.poll_interval))
         .with_config(crate::controllers::concurrency())
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
@@ -1207,7 +1260,25 @@ mod tests {
                     true,
                 ),
                 100,
-                HostPlan::Wait(Duration::from_secs(200)),
+                HostPlan::Wait,
+            ),
+            (
+                "a reading just short of its share of the interval waits",
+                host(
+                    Some(registered(HostState::Available, PowerState::Off, 0)),
+                    true,
+                ),
+                269,
+                HostPlan::Wait,
+            ),
+            (
+                "a reading taken at the last sweep is due at this one, though that pass was late",
+                host(
+                    Some(registered(HostState::Available, PowerState::Off, 0)),
+                    true,
+                ),
+                270,
+                HostPlan::Poll,
             ),
             (
                 "stale power reading polls",
@@ -1242,6 +1313,45 @@ mod tests {
         }
     }
 
+    /// Over one poll interval, the sweep names each host that is not paused exactly once, and
+    /// no other: what a per-host `requeue(interval)` gave, spread over the interval.
+    #[test]
+    fn the_poll_sweep_names_each_host_once_per_interval() {
+        let named_host = |namespace: &str, name: &str| {
+            let mut h = host(None, true);
+            h.metadata.name = Some(name.to_string());
+            h.metadata.namespace = Some(namespace.to_string());
+            Arc::new(h)
+        };
+        let mut hosts: Vec<_> = (0..3000)
+            .map(|i| named_host(if i % 2 == 0 { "a" } else { "b" }, &format!("h{i}")))
+            .collect();
+        let mut held = host(None, true);
+        held.metadata.name = Some("held".into());
+        held.metadata.annotations =
+            Some([(HOST_PAUSED_ANNOTATION.to_string(), "".to_string())].into());
+        hosts.push(Arc::new(held));
+        let slices = poll_slices(Duration::from_secs(300));
+        assert_eq!(slices, 300);
+        let mut named: std::collections::HashMap<String, usize> = Default::default();
+        let mut busiest = 0;
+        for slice in 0..slices {
+            let due = in_poll_slice(&hosts, slice, slices);
+            busiest = busiest.max(due.len());
+            for reference in due {
+                *named.entry(reference.to_string()).or_default() += 1;
+            }
+        }
+        assert_eq!(named.len(), 3000, "every host but the paused one");
+        assert!(named.values().all(|n| *n == 1), "each once");
+        assert!(!named.keys().any(|k| k.contains("held")));
+        // Spread, not bunched: 3,000 over 300 slices is 10 a slice on average.
+        assert!(busiest <= 40, "a slice named {busiest} hosts");
+        // An interval under a second still sweeps, in one slice.
+        assert_eq!(poll_slices(Duration::from_millis(500)), 1);
+        assert_eq!(in_poll_slice(&hosts, 0, 1).len(), 3000);
+    }
+
     #[test]
     fn a_reading_kept_in_memory_defers_the_next_one() {
         let five_min = Duration::from_secs(300);
@@ -1252,7 +1362,7 @@ mod tests {
         assert_eq!(plan(&h, at(400), five_min, None), HostPlan::Poll);
         assert_eq!(
             plan(&h, at(400), five_min, Some(at(350))),
-            HostPlan::Wait(Duration::from_secs(250)),
+            HostPlan::Wait,
             "read 50 s ago, though status still says 400 s"
         );
     }
