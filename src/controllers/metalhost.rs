@@ -1,10 +1,10 @@
 //! MetalHost controller: registers hosts (credentials + a BMC that answers → Available, or Error
-//! with the fault), reads inventory once, polls power politely (one sweep, [`poll_sweep`]), and holds `online: false` hosts
-//! powered off. It is the only writer of MetalHost status: `state` is derived from the claim in
-//! `spec.consumerRef` (written by the MetalMachine controller) and the consumer's own status, so
-//! a host restored from a backup with its consumerRef is never shown Available, and nobody else's
-//! write can erase a field of ours. It never provisions: claiming and booting belong to the
-//! MetalMachine controller.
+//! with the fault), reads inventory once, polls power politely (one sweep over all hosts,
+//! [`poll_sweep`]), and holds `online: false` hosts powered off. It is the only writer of
+//! MetalHost status: `state` is derived from the claim in `spec.consumerRef` (written by the
+//! MetalMachine controller) and the consumer's own status, so a host restored from a backup with
+//! its consumerRef is never shown Available, and nobody else's write can erase a field of ours.
+//! It never provisions: claiming and booting belong to the MetalMachine controller.
 //!
 //! Where to look: [`plan`] (what to do with the BMC this pass) and [`desired_state`] (which
 //! state the host is in) are pure and table-tested below.
