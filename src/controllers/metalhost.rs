@@ -950,29 +950,20 @@ fn boot_mac_wakes(
     })
 }
 
-/// The power poll, as one timer instead of one per host: every `poll_interval / slices` (about a
-/// second), the hosts of the next slice (by a hash of their names), so each host not paused gets
-/// a pass once per interval, spread over it. Each pass returned `requeue(interval)` before, and
-/// kube-runtime's scheduler kept about 700 bytes per host for it (its reference twice, in a hash
-/// map and a timer wheel): 7 MB at 10,000 hosts. A reading taken between sweeps (a new state is
-/// read at once) moves the next one to the sweep after, so a host is read at least every two
-/// intervals, and in the steady state once per interval.
+/// The power poll, as one timer instead of one per host ([`super::sliced_sweep`]): every
+/// `poll_interval / slices` (about a second), the hosts of the next slice (by a hash of their
+/// names), so each host not paused gets a pass once per interval, spread over it. Each pass
+/// returned `requeue(interval)` before. A reading taken between sweeps (a new state is read at
+/// once) moves the next one to the sweep after, so a host is read at least every two intervals,
+/// and in the steady state once per interval.
 pub fn poll_sweep(
     hosts: Store<MetalHost>,
     poll_interval: Duration,
 ) -> impl futures::Stream<Item = ObjectRef<MetalHost>> + Send + 'static {
     let slices = poll_slices(poll_interval);
-    let mut ticks = tokio::time::interval(poll_interval / slices as u32);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    futures::stream::unfold((ticks, 0u64), move |(mut ticks, slice)| {
-        let hosts = hosts.clone();
-        async move {
-            ticks.tick().await;
-            let due = in_poll_slice(&hosts.state(), slice, slices);
-            Some((futures::stream::iter(due), (ticks, (slice + 1) % slices)))
-        }
+    super::sliced_sweep(hosts, poll_interval, slices, move |hosts, slice| {
+        in_poll_slice(hosts, slice, slices)
     })
-    .flatten()
 }
 
 /// The sweep's slices: one per second of the interval, at least one.

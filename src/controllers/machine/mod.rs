@@ -451,28 +451,14 @@ async fn provision(m: Arc<Machine>, ctx: &MachineContext) -> Result<Action, Reco
     })
 }
 
-/// The resync, as one timer instead of one per Machine: every `RESYNC / RESYNC_SLICES`, the
-/// Machines of the next slice (by a hash of their names), so each Machine not Failed gets a
-/// pass every `RESYNC`, spread over it as per-object timers spread them. A settled Machine
-/// returned `requeue(RESYNC)` before, and kube-runtime's scheduler kept about 700 bytes per
-/// Machine for it (its reference twice, in a hash map and a timer wheel): 7 MB at 10,000.
+/// The resync, as one timer instead of one per Machine ([`super::sliced_sweep`]): every
+/// `RESYNC / RESYNC_SLICES`, the Machines of the next slice (by a hash of their names), so each
+/// Machine not Failed gets a pass every `RESYNC`, spread over it as per-object timers spread
+/// them. A settled Machine returned `requeue(RESYNC)` before.
 fn resync_sweep(
     store: Store<DeserializeGuard<Machine>>,
 ) -> impl futures::Stream<Item = ObjectRef<DeserializeGuard<Machine>>> + Send + 'static {
-    let mut ticks = tokio::time::interval(RESYNC / RESYNC_SLICES as u32);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    futures::stream::unfold((ticks, 0u64), move |(mut ticks, slice)| {
-        let store = store.clone();
-        async move {
-            ticks.tick().await;
-            let due = in_resync_slice(&store.state(), slice);
-            Some((
-                futures::stream::iter(due),
-                (ticks, (slice + 1) % RESYNC_SLICES),
-            ))
-        }
-    })
-    .flatten()
+    super::sliced_sweep(store, RESYNC, RESYNC_SLICES, in_resync_slice)
 }
 
 /// The Machines of `machines` whose resync falls in `slice`: each Machine not Failed is in
