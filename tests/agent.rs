@@ -111,7 +111,7 @@ async fn image_machine(
                 name,
                 MetalMachineSpec {
                     mode: ProvisioningMode::Image,
-                    image: Some(image),
+                    image: Some(Box::new(image)),
                     ..Default::default()
                 },
             ),

@@ -240,12 +240,14 @@ async fn attempt(prefix: &str, commands: &[&str], served: Option<&Served>) -> At
                 "node",
                 MetalMachineSpec {
                     mode: ProvisioningMode::Image,
-                    image: Some(served.map(|s| s.image.clone()).unwrap_or(ImageSpec {
-                        url: "debian.raw".into(),
-                        checksum: "0".repeat(64),
-                        checksum_type: ChecksumType::Sha256,
-                        format: ImageFormat::Raw,
-                    })),
+                    image: Some(Box::new(served.map(|s| s.image.clone()).unwrap_or(
+                        ImageSpec {
+                            url: "debian.raw".into(),
+                            checksum: "0".repeat(64),
+                            checksum_type: ChecksumType::Sha256,
+                            format: ImageFormat::Raw,
+                        },
+                    ))),
                     ..Default::default()
                 },
             ),

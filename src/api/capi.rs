@@ -225,8 +225,9 @@ pub struct MachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_domain: Option<String>,
     /// Deletion timeouts.
+    // Boxed: rarely set, and inline it took each stored Machine a size class up (`api::tests`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub deletion: Option<MachineDeletionSpec>,
+    pub deletion: Option<Box<MachineDeletionSpec>>,
     /// Upstream fields metalboot does not model, kept as they are.
     #[serde(flatten)]
     #[schemars(skip)]

@@ -67,6 +67,8 @@ pub const DEFAULT_BOOT_RETRIES: i32 = 2;
 #[x_kube(validation = Rule::new("!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)").message("spec.providerID is immutable once set"))]
 #[x_kube(validation = Rule::new("self.mode != 'image' || has(self.image)").message("spec.image is required when spec.mode is image"))]
 #[x_kube(validation = Rule::new("self.mode == 'image' || has(self.boot)").message("spec.boot is required when spec.mode is live"))]
+// The optional parts that are often unset are boxed: the store keeps one of these per host, and
+// inline they took its allocation a size class up (`api::tests`).
 pub struct MetalMachineSpec {
     /// Provider ID of the host, `metalboot://<namespace>/<host>`, set by the controller when the
     /// host is provisioned; immutable once set. Matches `Node.spec.providerID`.
@@ -83,11 +85,11 @@ pub struct MetalMachineSpec {
     pub failure_domain: Option<String>,
     /// Which hosts this machine may claim. Empty selects every Available host in the namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_selector: Option<LabelSelector>,
+    pub host_selector: Option<Box<LabelSelector>>,
     /// The least hardware a host must have to be claimed, judged from its inventory
     /// (`MetalHost.status.hardware`): a host whose inventory does not say is not enough.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_hardware: Option<HardwareRequirements>,
+    pub host_hardware: Option<Box<HardwareRequirements>>,
     /// How the host gets its OS: `live` netboots `boot` on every power-on (diskless); `image`
     /// has metalboot's deploy agent write `image` to the disk chosen by `rootDeviceHints`, and
     /// the host boots that disk from then on.
@@ -98,11 +100,11 @@ pub struct MetalMachineSpec {
     pub boot: Option<BootProfile>,
     /// The OS image written to disk (`image` mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<ImageSpec>,
+    pub image: Option<Box<ImageSpec>>,
     /// Which disk the image is written to (`image` mode). Empty picks the smallest disk that
     /// holds the image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub root_device_hints: Option<RootDeviceHints>,
+    pub root_device_hints: Option<Box<RootDeviceHints>>,
     /// Seconds to wait, after powering the host on, for its bootstrap-success callback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 10, max = 86400))]

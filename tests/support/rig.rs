@@ -425,22 +425,22 @@ pub async fn add_tenant(
     let spec = match os {
         TenantOs::Image(checksum) => MetalMachineSpec {
             mode: ProvisioningMode::Image,
-            image: Some(ImageSpec {
+            image: Some(Box::new(ImageSpec {
                 url: "debian.raw.gz".into(),
                 checksum: checksum.to_string(),
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Gzip,
-            }),
+            })),
             ..Default::default()
         },
         TenantOs::Qcow2 => MetalMachineSpec {
             mode: ProvisioningMode::Image,
-            image: Some(ImageSpec {
+            image: Some(Box::new(ImageSpec {
                 url: "debian.qcow2".into(),
                 checksum: image_checksum("debian.qcow2"),
                 checksum_type: ChecksumType::Sha256,
                 format: ImageFormat::Qcow2,
-            }),
+            })),
             ..Default::default()
         },
         // Debian's live-boot fetches the root squashfs itself: its URL is on the command line.

@@ -110,8 +110,8 @@ pub(super) async fn task(
     json(
         StatusCode::OK,
         &AgentTask::Deploy {
-            image: crate::api::metalmachine::ImageSpec { url, ..image },
-            root_device_hints: machine.spec.root_device_hints.clone().map(Box::new),
+            image: crate::api::metalmachine::ImageSpec { url, ..*image },
+            root_device_hints: machine.spec.root_device_hints.clone(),
             seed: SeedSpec {
                 instance_id: record.instance_id.clone(),
                 hostname: record.host.clone(),

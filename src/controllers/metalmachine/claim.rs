@@ -191,7 +191,7 @@ impl<'a> Claimable<'a> {
         let selector: Selector = match mm.spec.host_selector.clone() {
             None => Selector::default(),
             Some(s) => {
-                Selector::try_from(s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?
+                Selector::try_from(*s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?
             }
         };
         Ok(Self {
@@ -430,7 +430,7 @@ mod tests {
     fn mm(selector: Option<LabelSelector>) -> MetalMachine {
         let mut mm = MetalMachine::new("m", Default::default());
         mm.metadata.namespace = Some("ns".into());
-        mm.spec.host_selector = selector;
+        mm.spec.host_selector = selector.map(Box::new);
         mm
     }
 
@@ -645,11 +645,11 @@ mod tests {
         ];
         let need_disk = |cpus: Option<i32>, mem: Option<i32>, disk: Option<i32>| {
             let mut m = mm(None);
-            m.spec.host_hardware = Some(crate::api::metalmachine::HardwareRequirements {
+            m.spec.host_hardware = Some(Box::new(crate::api::metalmachine::HardwareRequirements {
                 min_cpus: cpus,
                 min_memory_gib: mem,
                 min_disk_gib: disk,
-            });
+            }));
             m
         };
         let need = |cpus: Option<i32>, mem: Option<i32>| need_disk(cpus, mem, None);

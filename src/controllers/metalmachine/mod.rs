@@ -812,7 +812,7 @@ impl FreedHosts {
                 m.spec
                     .host_selector
                     .clone()
-                    .is_none_or(|s| Selector::try_from(s).is_ok_and(|s| s.matches(host.labels())))
+                    .is_none_or(|s| Selector::try_from(*s).is_ok_and(|s| s.matches(host.labels())))
             })
             .take(WAKES_PER_FREED_HOST)
             .map(|m| ObjectRef::from_obj(m.as_ref()))
