@@ -198,7 +198,7 @@ impl Env {
             .conditions
             .into_iter()
             .find(|c| c.type_ == type_)
-            .map(|c| (c.reason, c.message))
+            .map(|c| (c.reason.to_string(), c.message))
     }
 
     /// A Node in the "workload cluster" with the uninitialized taint and Ready, as a kubelet makes it.

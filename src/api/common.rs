@@ -6,7 +6,28 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use compact_str::CompactString;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+/// `metav1.Condition`, with its type, status and reason held inline: they are short names (a
+/// reason is CamelCase, at most 1,024 characters by the API, in practice under 24), and each
+/// stored host's objects carry many conditions. k8s-openapi's type gives each of the three a
+/// heap allocation of its own. Same JSON, same schema ([`conditions_schema`]).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    #[serde(rename = "type", default)]
+    pub type_: CompactString,
+    #[serde(default)]
+    pub status: CompactString,
+    #[serde(default)]
+    pub reason: CompactString,
+    #[serde(default)]
+    pub message: String,
+    pub last_transition_time: Time,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
 
 /// One address of a machine, as Cluster API defines `MachineAddress`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -110,7 +131,8 @@ pub struct SecretKeyReference {
 
 /// Schema of a `conditions` list: a map keyed by `type`, as `metav1.Condition` lists are.
 pub fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    let mut schema = generator.subschema_for::<Vec<Condition>>();
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as Wire;
+    let mut schema = generator.subschema_for::<Vec<Wire>>();
     schema.insert("x-kubernetes-list-type".into(), "map".into());
     schema.insert(
         "x-kubernetes-list-map-keys".into(),
@@ -121,4 +143,43 @@ pub fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars:
         "Conditions in metav1.Condition form, one per type; `Ready` summarises the others.".into(),
     );
     schema
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as Wire;
+
+    /// What the apiserver sends reads into [`Condition`] and is written back as k8s-openapi's
+    /// `metav1.Condition` would write it; its names are held inline, its message on the heap.
+    #[test]
+    fn a_condition_reads_and_writes_as_metav1_does_and_keeps_its_names_inline() {
+        let sent = serde_json::json!({
+            "type": "BootstrapConfigReady",
+            "status": "False",
+            "reason": "WaitingForBootstrapData",
+            "message": "the CloudInitConfig has no data Secret yet",
+            "lastTransitionTime": "2026-12-07T14:00:00Z",
+            "observedGeneration": 3,
+        });
+        let ours: Condition = serde_json::from_value(sent.clone()).expect("reads");
+        let wire: Wire = serde_json::from_value(sent.clone()).expect("reads");
+        assert_eq!(serde_json::to_value(&ours).expect("writes"), sent);
+        assert_eq!(serde_json::to_value(&wire).expect("writes"), sent);
+        for name in [&ours.type_, &ours.status, &ours.reason] {
+            assert!(!name.is_heap_allocated(), "{name} is on the heap");
+        }
+        // Without an observed generation, neither writes one.
+        let mut sent = sent;
+        sent.as_object_mut().map(|o| o.remove("observedGeneration"));
+        let ours: Condition = serde_json::from_value(sent.clone()).expect("reads");
+        assert_eq!(serde_json::to_value(&ours).expect("writes"), sent);
+        // A condition without its time is refused by both, as the API requires one.
+        let mut untimed = sent;
+        untimed
+            .as_object_mut()
+            .map(|o| o.remove("lastTransitionTime"));
+        assert!(serde_json::from_value::<Condition>(untimed.clone()).is_err());
+        assert!(serde_json::from_value::<Wire>(untimed).is_err());
+    }
 }

@@ -1,7 +1,9 @@
 //! `metav1.Condition` bookkeeping: set a condition without touching `lastTransitionTime` unless
 //! the status actually changed, and read conditions back.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use crate::api::common::Condition;
 
 /// A condition to set: type, status, reason (CamelCase), message (for people).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -300,7 +300,13 @@ pub fn condition(mm: &MetalMachine, type_: &str) -> Option<(String, String, Stri
         .conditions
         .iter()
         .find(|c| c.type_ == type_)
-        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+        .map(|c| {
+            (
+                c.status.to_string(),
+                c.reason.to_string(),
+                c.message.clone(),
+            )
+        })
 }
 
 /// Plays the host: fetches the chain from the boot service and returns the NoCloud seed URL.

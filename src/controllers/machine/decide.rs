@@ -549,7 +549,7 @@ mod tests {
 
     fn cond(d: &Decision, type_: &str) -> (String, String) {
         conditions::get(&d.status.conditions, type_)
-            .map(|c| (c.status.clone(), c.reason.clone()))
+            .map(|c| (c.status.to_string(), c.reason.to_string()))
             .unwrap_or_default()
     }
 

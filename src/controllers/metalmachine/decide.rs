@@ -1662,7 +1662,7 @@ mod tests {
 
     fn ready_reason(d: &Decision) -> String {
         conditions::get(&d.status.conditions, READY)
-            .map(|c| c.reason.clone())
+            .map(|c| c.reason.to_string())
             .unwrap_or_default()
     }
 

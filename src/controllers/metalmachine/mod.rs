@@ -964,7 +964,7 @@ pub async fn run(controller: Controller<MetalMachine>, ctx: Arc<MachineContext>)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+    use crate::api::common::Condition;
 
     /// A claim is in flight from its send until its guard goes, however the pass ends.
     #[test]
