@@ -182,8 +182,9 @@ async fn labelled_counter(boot_url: &str, prefix: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
-/// The manager's memory at one moment: RSS now and its peak (from /proc), and what jemalloc says
-/// it holds (from /metrics), so live objects can be told from pages the allocator keeps.
+/// The manager's memory at one moment, in MiB (2^20 bytes; the tables before 2026-12-07 printed
+/// these as "MB"): RSS now and its peak (from /proc), and what jemalloc says it holds (from
+/// /metrics), so live objects can be told from pages the allocator keeps.
 async fn memory(boot_url: &str, pid: u32) -> Memory {
     let heap = labelled_counter(boot_url, "metalboot_allocator_bytes{kind=\"").await;
     let mb = |kind: &str| {
@@ -213,7 +214,7 @@ impl std::fmt::Display for Memory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "RSS {:.0} MB (peak {:.0}), jemalloc allocated {:.0} MB, resident {:.0} MB, retained {:.0} MB",
+            "RSS {:.0} MiB (peak {:.0}), jemalloc allocated {:.0} MiB, resident {:.0} MiB, retained {:.0} MiB",
             self.rss, self.peak, self.allocated, self.resident, self.retained
         )
     }
@@ -1058,7 +1059,7 @@ fn main() {
 fn markdown(r: &Row) -> String {
     {
         format!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MB | {:.0} / {:.0} MB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.0} MiB | {:.0} / {:.0} MiB | {:.1} s | {:.1} s | {:.3} | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {:.0}/{:.0} ms | {} | {} | {} |",
             r.n,
             r.register,
             r.provision,
