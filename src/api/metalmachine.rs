@@ -171,6 +171,14 @@ impl HardwareRequirements {
 }
 
 impl MetalMachineSpec {
+    /// `hostSelector` as a selector to match host labels with (none set: every host), or why
+    /// it does not parse.
+    pub fn parsed_host_selector(&self) -> Result<kube::core::Selector, String> {
+        match &self.host_selector {
+            None => Ok(kube::core::Selector::default()),
+            Some(s) => kube::core::Selector::try_from((**s).clone()).map_err(|e| e.to_string()),
+        }
+    }
     pub fn boot_timeout_seconds(&self) -> i32 {
         self.boot_timeout_seconds
             .unwrap_or(DEFAULT_BOOT_TIMEOUT_SECONDS)

@@ -188,12 +188,10 @@ impl<'a> Claimable<'a> {
         failure_domain: Option<&'a str>,
         failure_domain_label: &'a str,
     ) -> Result<Self, ClaimError> {
-        let selector: Selector = match mm.spec.host_selector.clone() {
-            None => Selector::default(),
-            Some(s) => {
-                Selector::try_from(*s).map_err(|e| ClaimError::InvalidSelector(e.to_string()))?
-            }
-        };
+        let selector = mm
+            .spec
+            .parsed_host_selector()
+            .map_err(ClaimError::InvalidSelector)?;
         Ok(Self {
             mm,
             namespace: mm.metadata.namespace.as_deref(),

@@ -23,7 +23,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::Api;
-use kube::core::{Selector, SelectorExt};
+use kube::core::SelectorExt;
 use kube::runtime::Controller;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
@@ -810,9 +810,8 @@ impl FreedHosts {
             .into_iter()
             .filter(|m| {
                 m.spec
-                    .host_selector
-                    .clone()
-                    .is_none_or(|s| Selector::try_from(*s).is_ok_and(|s| s.matches(host.labels())))
+                    .parsed_host_selector()
+                    .is_ok_and(|s| s.matches(host.labels()))
             })
             .take(WAKES_PER_FREED_HOST)
             .map(|m| ObjectRef::from_obj(m.as_ref()))
