@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all deps os-image deploy-ramdisk control-plane capi sushy replay test soak lab lab-kubeadm lab-down crds deploy lint fmt bench bench-scale
+.PHONY: all deps os-image deploy-ramdisk control-plane capi sushy replay test soak lab lab-kubeadm lab-down crds deploy lint fmt bench bench-scale release-pgo
 
 all: test
 
@@ -62,6 +62,11 @@ bench:
 ## bench-scale: N = 100, 1000, 10000 simulated hosts and Machines on one manager (SCALE_N=… to choose)
 bench-scale:
 	hack/bench-scale.sh
+
+## release-pgo: a profile-guided release build trained on the scale benchmark (target/pgo/metalboot);
+## METALBOOT_BIN=target/pgo/metalboot make bench-scale measures it
+release-pgo:
+	hack/pgo-build.sh
 
 ## crds: regenerate crds/ from the Rust types
 crds:

@@ -429,7 +429,22 @@ fn manager_binary() -> PathBuf {
 struct Manager(Child);
 
 impl Drop for Manager {
+    /// SIGTERM first, as the kubelet stops a pod, so the manager leaves through `main`: a
+    /// `-Cprofile-generate` build writes its profile only then (`hack/pgo-build.sh` trains on
+    /// this benchmark). SIGKILL if it has not exited within 30 s.
     fn drop(&mut self) {
+        let pid = self.0.id().to_string();
+        let asked = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while asked && Instant::now() < deadline {
+            if matches!(self.0.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
